@@ -1,0 +1,358 @@
+"""Typed configuration: one dataclass section per stage, loaded from a YAML recipe plus `section.field=value` overrides.
+
+    cfg = load_config("ray_jobs/configs/tiny_cpu.yaml", ["train.epochs=3", "generate.max_tokens=64"])
+
+Every field has a docstring; `__post_init__` raises `ValueError` naming the field; an unknown key is an error that
+names it and suggests the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    storage_path: str = "runs"
+    """Root for all runs: a local path or a pyarrow filesystem URI (file://, s3://, gs://)."""
+    name: str = "tiny"
+    """Run name. Stage outputs live under `{storage_path}/{name}`; the same name resumes the same run."""
+    seed: int = 0
+    """Seed for sampling, data order and model initialisation."""
+    ray_address: str | None = None
+    """Ray cluster to join ("auto", "ray://..."); None starts a local Ray or joins the job's cluster."""
+    num_cpus: int | None = None
+    """Logical CPUs for a local Ray started by this run (None: Ray's default). Unused when joining a cluster."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.storage_path), "run.storage_path", "must not be empty")
+        _check(bool(self.name) and "/" not in self.name, "run.name", f"must be a non-empty name without '/', got {self.name!r}")
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.storage_path.rstrip('/')}/{self.name}"
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifierConfig:
+    path: str = "tiny:llama"
+    """HF model directory (or URI) of the verifier, or `tiny:llama` / `tiny:qwen3` to build a tiny one in the run dir."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the verifier runs in (vLLM and the frozen parts of the drafter)."""
+    trust_remote_code: bool = False
+    """Allow the model's own Python code (needed by e.g. Kimi-K2.5). Off unless the recipe says so."""
+    aux_layer_ids: list[int] | None = None
+    """Verifier layers whose hidden states feed the drafter (EAGLE-3 uses 3). None: EAGLE-3 defaults
+    [2, L//2, L-3] from the verifier's text config. The final layer L (pre-norm) is always captured as the target."""
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens, an engine accepts."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_model_len > 0, "verifier.max_model_len", "must be > 0")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            _check(len(ids) > 0, "verifier.aux_layer_ids", "must not be empty")
+            _check(len(set(ids)) == len(ids), "verifier.aux_layer_ids", f"must be unique, got {ids}")
+            _check(all(i >= 0 for i in ids), "verifier.aux_layer_ids", f"must be >= 0, got {ids}")
+
+
+@dataclass(kw_only=True, slots=True)
+class IngestConfig:
+    inputs: list[str] = field(default_factory=lambda: ["builtin:tiny_prompts"])
+    """Prompt sources: JSONL, Parquet, a `datasets.save_to_disk` folder, or a file `datasets` can load; local paths or
+    URIs. `builtin:tiny_prompts` is a small prompt set generated in code (no downloads)."""
+    turns: Literal["first", "all"] = "first"
+    """Keep only the first user turn of each conversation, or all turns."""
+    max_prompt_tokens: int = 1024
+    """A row whose tokenized prompt is longer than this is rejected with reason `prompt_too_long`."""
+    strict: bool = False
+    """Fail the stage on the first rejected row instead of writing it to the rejects table."""
+    max_rows: int | None = None
+    """Read at most this many rows from each input (None: all)."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.inputs) > 0, "ingest.inputs", "needs at least one input")
+        _check(self.max_prompt_tokens > 0, "ingest.max_prompt_tokens", "must be > 0")
+        _check(self.max_rows is None or self.max_rows > 0, "ingest.max_rows", "must be > 0 or null")
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    mode: Literal["generate", "capture_only"] = "generate"
+    """`generate`: regenerate responses with the verifier and capture hidden states in the same pass.
+    `capture_only`: conversations already have responses; only capture (a prefill pass)."""
+    num_replicas: int = 1
+    """Engine replicas (Ray actors), each with its own vLLM engine."""
+    max_replicas: int | None = None
+    """If set, the engine pool autoscales between `num_replicas` and this."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine replica. TP>1 gets one STRICT_PACK placement group per replica and vLLM's Ray executor."""
+    num_gpus_per_worker: float = 0.0
+    """GPUs per tensor-parallel worker (1 on GPU clusters, 0 on CPU)."""
+    num_cpus_per_replica: float = 1.0
+    """CPUs Ray reserves for each engine replica."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `vllm.LLM` (e.g. enforce_eager, kv_cache_memory_bytes, gpu_memory_utilization)."""
+    max_batch_tokens: int = 16384
+    """Token budget of one engine call: sum over samples of prompt + max_tokens. Bounds memory, not a row count."""
+    oversize: Literal["alone", "reject"] = "alone"
+    """A sample longer than `max_batch_tokens`: process it in a batch of its own, or reject it with a reason."""
+    temperature: float = 0.0
+    """Sampling temperature for regeneration (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_tokens: int = 256
+    """Maximum response tokens per turn."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template default)."""
+    hidden_states_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
+    """Storage dtype of hidden states. fp8 is e4m3 with one float32 scale per token and layer (about half the bytes)."""
+    shard_max_bytes: int = 1 << 30
+    """Upper bound on one safetensors shard's payload; a batch larger than this is split over several shards."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_replicas >= 1, "generate.num_replicas", "must be >= 1")
+        _check(self.max_replicas is None or self.max_replicas >= self.num_replicas, "generate.max_replicas",
+               f"must be >= num_replicas ({self.num_replicas})")
+        _check(self.tensor_parallel_size in (1, 2, 4, 8, 16), "generate.tensor_parallel_size", "must be 1, 2, 4, 8 or 16")
+        _check(self.max_batch_tokens > 0, "generate.max_batch_tokens", "must be > 0")
+        _check(self.temperature >= 0, "generate.temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
+        _check(self.max_tokens > 0, "generate.max_tokens", "must be > 0")
+        _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    num_workers: int = 2
+    """Ray Train workers (DDP ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker."""
+    epochs: int = 3
+    """Passes over the training split; one checkpoint per epoch."""
+    lr: float = 3e-4
+    """Peak learning rate (AdamW, linear warmup then cosine decay)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    max_grad_norm: float = 0.5
+    """Gradient clipping norm."""
+    total_seq_len: int = 2048
+    """Token budget of one packed training sequence per worker step."""
+    ttt_steps: int = 3
+    """Training-time-test steps (draft positions trained per sample)."""
+    num_draft_layers: int = 1
+    """Decoder layers in the drafter."""
+    draft_vocab_size: int = 1024
+    """Draft vocabulary size (most frequent response tokens), mapped with speculators' d2t/t2d."""
+    attn_impl: str = "auto"
+    """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
+    loss_implementation: str = "auto"
+    """speculators loss: `auto` (eager on CPU, fused on GPU), `eager`, `fused`."""
+    val_fraction: float = 0.1
+    """Fraction of samples (by id hash) held out for validation."""
+    log_every_steps: int = 10
+    """A metrics line every this many steps."""
+    num_to_keep: int = 2
+    """Keep the last N epoch checkpoints (plus the best one)."""
+    best_metric: str = "val_acc_0"
+    """Validation metric that picks the best checkpoint."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a larger or a smaller `best_metric` is better."""
+    max_failures: int = 3
+    """Worker-group restarts Ray Train allows before the run fails."""
+    on_bad_sample: Literal["fail", "skip"] = "fail"
+    """A missing/truncated/non-finite sample: fail the run naming the file, or skip and count it."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
+        _check(self.epochs >= 1, "train.epochs", "must be >= 1")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.total_seq_len > 0, "train.total_seq_len", "must be > 0")
+        _check(self.ttt_steps >= 1, "train.ttt_steps", "must be >= 1")
+        _check(self.draft_vocab_size > 0, "train.draft_vocab_size", "must be > 0")
+        _check(0 < self.val_fraction < 1, "train.val_fraction", "must be in (0, 1)")
+        _check(self.num_to_keep >= 1, "train.num_to_keep", "must be >= 1")
+        _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    checkpoint: str = "best"
+    """Which checkpoint to export: `best`, `last`, or `epoch=N`."""
+    formats: list[Literal["speculators", "sglang"]] = field(default_factory=lambda: ["speculators"])
+    """`speculators`: the config vLLM loads as an eagle3 speculator. `sglang`: the flat EAGLE-3 layout SGLang loads."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the exported weights."""
+
+    def __post_init__(self) -> None:
+        ok = self.checkpoint in ("best", "last") or (self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit())
+        _check(ok, "export.checkpoint", f"must be 'best', 'last' or 'epoch=N', got {self.checkpoint!r}")
+        _check(len(self.formats) > 0, "export.formats", "needs at least one format")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluateConfig:
+    num_prompts: int = 16
+    """Held-out prompts (never trained on) to decode."""
+    max_tokens: int = 128
+    """Response tokens per prompt."""
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])
+    """Draft lengths to evaluate; each is a separate vLLM run."""
+    concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    """Concurrent requests (batch sizes) to measure throughput at."""
+    min_speedup: float | None = None
+    """Gate: the drafter fails if output tokens/s with it / without it is below this at any concurrency."""
+    min_acceptance_length: float | None = None
+    """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
+    report_only: bool = False
+    """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts > 0, "evaluate.num_prompts", "must be > 0")
+        _check(all(k >= 1 for k in self.num_speculative_tokens), "evaluate.num_speculative_tokens", "values must be >= 1")
+        _check(all(c >= 1 for c in self.concurrency), "evaluate.concurrency", "values must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run lives and how Ray is reached."""
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The target model."""
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    """Prompt ingestion."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """Response regeneration and hidden-state capture."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Drafter training."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Drafter export."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Drafter evaluation in vLLM."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self, *sections: str) -> str:
+        """Stable short hash of the named sections (all when none named): changes when their values change."""
+        data = self.to_dict()
+        chosen = {s: data[s] for s in (sections or data.keys())}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ValueError(f"unknown config key {where}{key!r}{hint}")
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Check a YAML value against a field annotation (string annotations resolved by the caller)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in args:
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{name}: {value!r} does not match {annotation}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name}: expected null, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError(f"{name}: must be one of {list(args)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool):
+        if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+            return value
+        raise ValueError(f"{name}: expected {annotation.__name__}, got {value!r}")
+    raise AssertionError(f"unsupported annotation {annotation} for {name}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where.rstrip('.')}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    valid = _field_names(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in valid:
+            raise _unknown(key, valid, where)
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value or {}, f"{where}{key}.")
+        else:
+            kwargs[key] = _coerce(value, annotation, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides (values parsed as YAML) to a raw config mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return _build(Config, data or {}, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML recipe (None: all defaults) and apply `section.field=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a recipe must be a YAML mapping of sections")
+    return config_from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
