@@ -1,0 +1,117 @@
+"""Hidden-state shards: many samples per safetensors file, found through a Parquet manifest.
+
+A shard holds, for each sample `key`:
+    {key}.hs      shape [T, L, H]  bfloat16, or float8_e4m3fn when stored as fp8
+    {key}.scale   shape [T, L]     float32, only for fp8: one scale per token and layer (x ~= hs * scale)
+where T = number of captured tokens, L = number of captured layers (aux layers then the final layer), H = hidden size.
+
+A manifest row per sample names its shard file and key (MANIFEST_SCHEMA). Shards are written under a temporary name
+and moved into place (storage.write_bytes_atomic), so a shard's final name only ever holds a complete file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from eagle3_ray import storage
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+MANIFEST_SCHEMA = pa.schema([
+    ("id", pa.string()),             # sample id (content hash from ingest)
+    ("shard", pa.string()),          # shard file name, relative to the shards directory
+    ("key", pa.string()),            # tensor key prefix inside the shard
+    ("num_tokens", pa.int32()),      # T: captured tokens (input_ids[:T] of the conversation)
+    ("dtype", pa.string()),          # "bfloat16" or "float8_e4m3fn"
+    ("layer_ids", pa.list_(pa.int32())),  # captured layer ids, aux ids then the final layer id
+    ("hidden_size", pa.int32()),
+])
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(token, layer) scaled e4m3. x: [T, L, H] -> (q [T, L, H] float8_e4m3fn, scale [T, L] float32)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # shape: [T, L]
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def encode_sample(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """Tensors to store for one sample; hidden_states: [T, L, H]."""
+    if dtype == "fp8":
+        q, scale = quantize_fp8(hidden_states)
+        return {f"{key}.hs": q.contiguous(), f"{key}.scale": scale.contiguous()}
+    if dtype == "bfloat16":
+        return {f"{key}.hs": hidden_states.to(torch.bfloat16).contiguous()}
+    raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@dataclass(slots=True)
+class ShardPlan:
+    """Which samples go to which shard, so that no shard's payload exceeds `max_bytes` (one oversized sample
+    still gets a shard of its own)."""
+
+    max_bytes: int
+
+    def split(self, sizes: list[int]) -> list[list[int]]:
+        groups: list[list[int]] = []
+        current: list[int] = []
+        used = 0
+        for i, size in enumerate(sizes):
+            if current and used + size > self.max_bytes:
+                groups.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += size
+        if current:
+            groups.append(current)
+        return groups
+
+
+def write_shard(uri: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write one shard atomically; returns its size in bytes."""
+    data = st_save(tensors, metadata=metadata)
+    storage.write_bytes_atomic(uri, data)
+    return len(data)
+
+
+def load_shard(uri: str) -> dict[str, torch.Tensor]:
+    """All tensors of a shard. Local files are memory-mapped lazily; URIs are read whole."""
+    if "://" not in uri or uri.startswith("file://"):
+        from safetensors import safe_open
+
+        path = uri[len("file://"):] if uri.startswith("file://") else uri
+        with safe_open(os.path.abspath(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    return st_load(storage.read_bytes(uri))
+
+
+def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hidden states [T, L, H] of one sample, decoded (fp8 dequantized) to `dtype`."""
+    if "://" not in shard_uri or shard_uri.startswith("file://"):
+        from safetensors import safe_open
+
+        path = shard_uri[len("file://"):] if shard_uri.startswith("file://") else shard_uri
+        with safe_open(os.path.abspath(path), framework="pt") as f:
+            hs = f.get_tensor(f"{key}.hs")
+            scale = f.get_tensor(f"{key}.scale") if hs.dtype == torch.float8_e4m3fn else None
+    else:
+        tensors = st_load(storage.read_bytes(shard_uri))
+        hs, scale = tensors[f"{key}.hs"], tensors.get(f"{key}.scale")
+    if hs.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(hs, scale, dtype)
+    return hs.to(dtype)
