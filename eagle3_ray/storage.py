@@ -156,3 +156,28 @@ def provenance(config: dict[str, Any], *, input_fingerprint: str | None = None, 
         "created_unix": time.time(),
         **extra,
     }
+
+
+# Stage outputs: `{run_dir}/{stage}/{version}/`, where version hashes everything that determines the output (config
+# sections, upstream version, input fingerprint). A changed config or input gets a new version instead of mixing
+# with the old one; `{run_dir}/{stage}/LATEST.json` names the version downstream stages read.
+
+def stage_dir(run_dir: str, stage: str, version: str) -> str:
+    return join(run_dir, stage, version)
+
+
+def set_latest(run_dir: str, stage: str, version: str, **extra: Any) -> None:
+    write_json_atomic(join(run_dir, stage, "LATEST.json"),
+                      {"version": version, "path": stage_dir(run_dir, stage, version), **extra})
+
+
+def latest(run_dir: str, stage: str) -> dict[str, Any]:
+    """The LATEST.json of a finished stage; a clear error when the stage has not run."""
+    uri = join(run_dir, stage, "LATEST.json")
+    if not exists(uri):
+        raise FileNotFoundError(f"no finished '{stage}' stage under {run_dir} ({uri} is missing): run it first")
+    return read_json(uri)
+
+
+def version_hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
