@@ -83,10 +83,14 @@ class IngestConfig:
     strict: bool = False
     """Fail the stage on the first rejected row instead of writing it to the rejects table."""
     max_rows: int | None = None
-    """Read at most this many rows from each input (None: all)."""
+    """Read at most this many rows from each input file (None: all)."""
+    num_workers: int = 4
+    """Most tokenizer actors (Ray Data grows the pool from 1 up to this); each loads the verifier's tokenizer once.
+    Does not change the output, so it is not part of the stage version."""
 
     def __post_init__(self) -> None:
         _check(len(self.inputs) > 0, "ingest.inputs", "needs at least one input")
+        _check(self.num_workers >= 1, "ingest.num_workers", "must be >= 1")
         _check(self.max_prompt_tokens > 0, "ingest.max_prompt_tokens", "must be > 0")
         _check(self.max_rows is None or self.max_rows > 0, "ingest.max_rows", "must be > 0 or null")
 
@@ -120,8 +124,9 @@ class GenerateConfig:
     """Maximum response tokens per turn."""
     enable_thinking: bool | None = None
     """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template default)."""
-    hidden_states_dtype: Literal["bfloat16", "fp8"] = "bfloat16"
-    """Storage dtype of hidden states. fp8 is e4m3 with one float32 scale per token and layer (about half the bytes)."""
+    hidden_states_dtype: Literal["bfloat16", "fp8", "float32"] = "bfloat16"
+    """Storage dtype of hidden states. fp8 is e4m3 with one float32 scale per token and layer (about half the bytes).
+    float32 stores exactly what an fp32 verifier computed (twice bf16's bytes; for checks against a reference)."""
     shard_max_bytes: int = 1 << 30
     """Upper bound on one safetensors shard's payload; a batch larger than this is split over several shards."""
 

@@ -1,0 +1,193 @@
+"""Generate stage: regenerate responses with the verifier and capture its hidden states, on Ray Data + vLLM actors.
+
+    python ray_jobs/generate.py ray_jobs/configs/tiny_cpu.yaml generate.max_tokens=64
+
+Reads the latest ingest output, plans token-bounded work units, streams them through a pool of CaptureEngine actors
+(one vLLM engine each) and writes `generate/{version}/` as docs/stages.md describes. Every unit commits as
+shards + `parts/{unit}.parquet`; a re-run skips committed samples, so a killed job resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from eagle3_ray import storage, telemetry
+from eagle3_ray.config import Config
+from eagle3_ray.generate_output import capture_contract, clean_orphans, committed_ids, finalise
+from eagle3_ray.raycluster import ensure_ray
+from eagle3_ray.tiny_verifier import resolve_verifier_path
+
+STAGE = "generate"
+# Fields that change how fast, not what is written: a new replica count resumes the same version.
+NOT_IN_VERSION = ("num_replicas", "max_replicas", "num_cpus_per_replica")
+
+
+@dataclass(slots=True)
+class Unit:
+    unit_id: str
+    samples: list[dict[str, Any]]
+    num_tokens: int
+
+
+def stage_version(cfg: Config, ingest_version: str) -> str:
+    gen = {k: v for k, v in cfg.to_dict()["generate"].items() if k not in NOT_IN_VERSION}
+    return storage.version_hash(gen, cfg.to_dict()["verifier"], cfg.run.seed, ingest_version)
+
+
+def sample_cost(row: dict[str, Any], cfg: Config, encoder: Any) -> int:
+    """Tokens a sample occupies in an engine call: its prompt(s) plus the responses it may generate."""
+    gen = cfg.generate
+    if gen.mode == "capture_only":
+        return len(encoder.encode(row["messages"], False))
+    if row["num_turns"] <= 1:
+        return row["num_prompt_tokens"] + gen.max_tokens
+    users = [m for m in row["messages"] if m["role"] != "assistant"]
+    return len(encoder.encode(users, True)) + row["num_turns"] * gen.max_tokens
+
+
+def plan_units(rows: list[dict[str, Any]], costs: list[int], cfg: Config) -> tuple[list[Unit], list[dict]]:
+    """Greedy packing in input order up to generate.max_batch_tokens; an oversized sample goes alone or is rejected."""
+    budget = cfg.generate.max_batch_tokens
+    units, rejects, current, used = [], [], [], 0
+
+    def close() -> None:
+        ids = "\n".join(sorted(s["id"] for s in current))
+        units.append(Unit(hashlib.sha256(ids.encode()).hexdigest()[:16], list(current), used))
+
+    for row, cost in zip(rows, costs):
+        sample = {"id": row["id"], "messages": row["messages"], "source": row["source"]}
+        if cost > budget and cfg.generate.oversize == "reject":
+            rejects.append({"id": row["id"], "reason": "over_batch_budget",
+                            "detail": f"{cost} tokens > generate.max_batch_tokens {budget}"})
+            continue
+        if current and used + cost > budget:
+            close()
+            current, used = [], 0
+        current.append(sample)
+        used += cost
+    if current:
+        close()
+    return units, rejects
+
+
+def placement_args(cfg: Config, created: list) -> dict[str, Any]:
+    """map_batches resources for one replica. TP>1: a STRICT_PACK placement group per replica (one bundle per TP
+    worker, all on one node) that the engine actor and vLLM's Ray workers are scheduled into; `created` collects
+    the groups so the stage removes them when it ends."""
+    gen = cfg.generate
+    if gen.tensor_parallel_size == 1:
+        return {"num_cpus": gen.num_cpus_per_replica, "num_gpus": gen.num_gpus_per_worker}
+
+    def remote_args() -> dict[str, Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
+        pg = ray.util.placement_group(bundles, strategy="STRICT_PACK")
+        created.append(pg)
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+    return {"num_cpus": 1, "num_gpus": 0, "ray_remote_args_fn": remote_args}
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    ensure_ray(cfg.run)
+    run_dir = cfg.run.run_dir
+    ingest = storage.latest(run_dir, "ingest")
+    version = stage_version(cfg, ingest["version"])
+    out = storage.stage_dir(run_dir, STAGE, version)
+    if storage.is_complete(out):
+        telemetry.log(STAGE, "already_complete", path=out)
+        return storage.read_json(storage.join(out, "summary.json"))
+    local_run_dir = run_dir if "://" not in run_dir else "/tmp/eagle3-verifiers"
+    verifier_path = resolve_verifier_path(cfg.verifier.path, local_run_dir, cfg.verifier.dtype)
+    contract = capture_contract(cfg, verifier_path)
+    storage.write_json_atomic(storage.join(out, "capture.json"), contract)
+
+    table = storage.read_parquet(storage.join(ingest["path"], "conversations.parquet"))
+    clean_orphans(out)
+    done = committed_ids(out)
+    pending = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(done), pa.string())))).to_pylist()
+    encoder = _encoder(verifier_path, cfg)
+    units, plan_rejects = plan_units(pending, [sample_cost(r, cfg, encoder) for r in pending], cfg)
+    telemetry.log(STAGE, "plan", path=out, rows_in=table.num_rows, already_done=len(done), units=len(units),
+                  samples=sum(len(u.samples) for u in units), plan_rejects=len(plan_rejects))
+    start = time.monotonic()
+    processed = _execute(cfg, units, verifier_path, contract["layer_ids"], out) if units else {"tokens": 0, "bytes": 0}
+    wall_s = time.monotonic() - start
+    summary = finalise(cfg, out, table, plan_rejects, contract, ingest, processed, wall_s)
+    storage.set_latest(run_dir, STAGE, version)
+    return summary
+
+
+def _encoder(verifier_path: str, cfg: Config):
+    from transformers import AutoTokenizer
+
+    from eagle3_ray.chat import ChatEncoder
+
+    tok = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=cfg.verifier.trust_remote_code)
+    return ChatEncoder(tok, cfg.generate.enable_thinking)
+
+
+def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list[int], out: str) -> dict[str, Any]:
+    """Stream units through the engine pool, logging progress as summaries come back."""
+    import ray
+
+    from eagle3_ray.engine import CaptureEngine
+
+    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples)} for u in units]
+    gen = cfg.generate
+    created_pgs: list = []
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        CaptureEngine, batch_size=1,
+        compute=ray.data.ActorPoolStrategy(min_size=gen.num_replicas, max_size=gen.max_replicas or gen.num_replicas),
+        fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "verifier_path": verifier_path, "layer_ids": layer_ids,
+                               "out_dir": out},
+        **placement_args(cfg, created_pgs))
+    progress = _Progress(cfg, sum(len(u.samples) for u in units))
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            progress.add(batch.to_pylist())
+    except Exception as e:
+        raise RuntimeError(f"generate stage failed: {_root_message(e)}") from e
+    finally:
+        for pg in created_pgs:
+            ray.util.remove_placement_group(pg)
+    return progress.totals()
+
+
+def _root_message(e: BaseException) -> str:
+    """The innermost error that says what went wrong (Ray wraps actor errors several times)."""
+    text = str(e)
+    marker = "generate: the vLLM engine failed to start"
+    return text[text.index(marker):].splitlines()[0] if marker in text else f"{type(e).__name__}: {text[:2000]}"
+
+
+class _Progress:
+    def __init__(self, cfg: Config, num_samples: int):
+        self.tags = {"stage": STAGE, "run": cfg.run.name}
+        self.meter = telemetry.RateMeter()
+        self.num_samples, self.done, self.rejected, self.tokens, self.bytes = num_samples, 0, 0, 0, 0
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        ok = [r for r in rows if r["status"] == "ok"]
+        tokens, nbytes = sum(r["num_tokens"] for r in ok), sum(r["num_bytes"] for r in rows)
+        self.done += len(rows)
+        self.rejected += len(rows) - len(ok)
+        self.tokens += tokens
+        self.bytes += nbytes
+        for name, value in (("samples_total", len(ok)), ("captured_tokens_total", tokens), ("shard_bytes_total", nbytes)):
+            if value > 0:  # Ray counters reject non-positive increments
+                telemetry.metrics.counter(name, f"generate: {name}").inc(value, tags=self.tags)
+        telemetry.log(STAGE, "progress", samples=f"{self.done}/{self.num_samples}", rejected=self.rejected,
+                      tokens=self.tokens, tokens_per_s=self.meter.per_s(self.tokens), bytes_written=self.bytes)
+
+    def totals(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "bytes": self.bytes, "samples": self.done, "rejected": self.rejected}
