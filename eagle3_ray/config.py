@@ -85,7 +85,7 @@ class IngestConfig:
     max_rows: int | None = None
     """Read at most this many rows from each input file (None: all)."""
     num_workers: int = 4
-    """Most tokenizer actors (Ray Data grows the pool from 1 up to this); each loads the verifier's tokenizer once.
+    """Most concurrent normalise/tokenize tasks; each Ray worker process loads the verifier's tokenizer once.
     Does not change the output, so it is not part of the stage version."""
 
     def __post_init__(self) -> None:
