@@ -51,14 +51,14 @@ def _run_stage(cfg: Config, stage: str) -> dict[str, Any]:
     tags = {"stage": stage, "run": cfg.run.name}
     metrics.gauge("pipeline_stage_running", "1 while the stage runs in the pipeline driver").set(1, tags=tags)
     meter = RateMeter()
-    log("pipeline", "stage_start", stage=stage)
+    log("pipeline", "stage_start", name=stage)
     try:
         summary = module.run(cfg) or {}
     finally:
         metrics.gauge("pipeline_stage_running").set(0, tags=tags)
     metrics.gauge("pipeline_stage_seconds", "wall time of the stage's last run").set(meter.elapsed_s, tags=tags)
     metrics.counter("pipeline_stages_done", "stages finished by the pipeline driver").inc(1, tags=tags)
-    log("pipeline", "stage_done", stage=stage, elapsed_s=meter.elapsed_s)
+    log("pipeline", "stage_done", name=stage, elapsed_s=meter.elapsed_s)
     return summary
 
 

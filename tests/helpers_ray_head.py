@@ -193,3 +193,35 @@ def ray_head(tmp_path_factory):
     head = start_head(tmp_path_factory.mktemp("head"))
     yield head
     stop_head(head)
+
+
+def metric_samples(text: str, prefix: str = "ray_eagle3_") -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample whose name starts with `prefix` in Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name.startswith(prefix)]
+
+
+@dataclass
+class FinishedJob:
+    """A job that ran to SUCCEEDED: its REST record, logs, run dir and every custom metric scraped while it ran."""
+
+    info: dict
+    logs: str
+    run_dir: Path
+    metrics: list[tuple[str, dict[str, str], float]]
+    elapsed_s: float
+
+
+def run_job(head: RayHead, submission_id: str, entrypoint: list[str], run_dir: Path, *,
+            timeout_s: float = 900) -> FinishedJob:
+    """Submit, poll GET /api/jobs/{id} until SUCCEEDED, scraping the head's metrics endpoint at every poll
+    (metrics of short-lived workers vanish once they exit, so a scrape after the job could miss them)."""
+    start = time.monotonic()
+    scraped: list[tuple[str, dict[str, str], float]] = []
+    head.submit(submission_id, *entrypoint)
+    info = head.wait(submission_id, {"SUCCEEDED"}, timeout_s=timeout_s, every_s=2.0,
+                     on_poll=lambda _: scraped.extend(metric_samples(head.metrics_text())))
+    return FinishedJob(info=info, logs=head.logs(submission_id), run_dir=run_dir, metrics=scraped,
+                       elapsed_s=time.monotonic() - start)
