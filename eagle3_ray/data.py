@@ -1,0 +1,185 @@
+"""Training data for the drafter: the generate stage's shards read lazily, one sample at a time, and packed with
+speculators' sampler and collate function. Pure torch + safetensors + pyarrow tables; no Ray, no vLLM.
+
+A sample as stored (docs/stages.md, generate): hidden states [T, L, H] for input_ids[:T], L = aux layers + final.
+A sample as read here (speculators' BaseDataset layout, before its `shift_batch`):
+    input_ids                    [T]         input_ids[:T] of the conversation
+    hidden_states                [T, A*H]    aux layers concatenated (A = len(aux_layer_ids))
+    verifier_last_hidden_states  [T, H]      final layer L, pre-norm (the target distribution's input)
+    loss_mask                    [T]         1 on assistant tokens
+`shift_batch` then aligns position i as (x[i+1], g[i], y[i+1], l[i+1]):
+
+    input_ids      x0 x1 x2 x3 ... x(T-1)        ->  x1 x2 ... x(T-1)
+    hidden_states  g0 g1 g2 g3 ... g(T-1)        ->  g0 g1 ... g(T-2)
+    verifier_last  y0 y1 y2 y3 ... y(T-1)        ->  y1 y2 ... y(T-1)
+    loss_mask      l0 l1 l2 l3 ... l(T-1)        ->  l1 l2 ... l(T-1)
+
+so the drafter sees the verifier state after x_i plus the embedding of x_(i+1), and learns the verifier's
+distribution for x_(i+2) (lm_head(norm(y_(i+1)))).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import DataLoader, Dataset
+
+from speculators.models.eagle3.data import shift_batch
+from speculators.train.data import CollateFn
+from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+from speculators.train.recovery import SampleUnavailable
+
+
+@dataclass(slots=True)
+class SampleRef:
+    """Where one sample's tensors live and the tokens they cover."""
+
+    id: str
+    shard_path: str
+    key: str
+    num_tokens: int          # T
+    input_ids: list[int]     # input_ids[:T]
+    loss_mask: list[int]     # loss_mask[:T]
+
+
+def is_validation(sample_id: str, val_fraction: float) -> bool:
+    """Held-out split by id hash: stable across runs, worker counts and dataset order."""
+    bucket = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+    return bucket < val_fraction
+
+
+def build_refs(manifest: list[dict], conversations: dict[str, dict], shards_dir: str) -> list[SampleRef]:
+    """Join manifest rows with their conversations; a manifest id without a conversation is a ValueError."""
+    refs = []
+    for row in manifest:
+        conv = conversations.get(row["id"])
+        if conv is None:
+            raise ValueError(f"manifest row id={row['id']} (shard {row['shard']}) has no conversation")
+        t = row["num_tokens"]
+        if t > len(conv["input_ids"]):
+            raise ValueError(f"manifest row id={row['id']} (shard {row['shard']}): num_tokens={t} exceeds the "
+                             f"conversation's {len(conv['input_ids'])} input_ids")
+        refs.append(SampleRef(row["id"], os.path.join(shards_dir, row["shard"]), row["key"], t,
+                              list(conv["input_ids"][:t]), list(conv["loss_mask"][:t])))
+    return refs
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """A safetensors file's JSON header and the file size it implies (8 + header + payload)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    payload_end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    return header, 8 + header_len + payload_end
+
+
+def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> dict[str, str]:
+    """Cheap eager check from shard headers only: {sample id: problem naming the file} for every sample whose shard
+    is missing or truncated, or whose key is absent or has a shape the manifest does not promise."""
+    problems: dict[str, str] = {}
+    headers: dict[str, tuple[dict, str | None]] = {}
+    for ref in refs:
+        if ref.shard_path not in headers:
+            headers[ref.shard_path] = _shard_header(ref.shard_path)
+        header, shard_problem = headers[ref.shard_path]
+        if shard_problem:
+            problems[ref.id] = shard_problem
+            continue
+        entry = header.get(f"{ref.key}.hs")
+        expected = [ref.num_tokens, num_layers, hidden_size]
+        if entry is None:
+            problems[ref.id] = f"{ref.shard_path}: key {ref.key}.hs (sample {ref.id}) is missing"
+        elif entry["shape"] != expected:
+            problems[ref.id] = (f"{ref.shard_path}: {ref.key}.hs has shape {entry['shape']}, manifest says "
+                                f"{expected} (num_tokens, layers, hidden) for sample {ref.id}")
+    return problems
+
+
+def _shard_header(path: str) -> tuple[dict, str | None]:
+    if not os.path.exists(path):
+        return {}, f"{path}: shard file is missing"
+    try:
+        header, expected_bytes = read_header(path)
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        return {}, f"{path}: unreadable safetensors header ({e})"
+    size = os.path.getsize(path)
+    if size < expected_bytes:
+        return {}, f"{path}: truncated ({size} bytes, header promises {expected_bytes})"
+    return header, None
+
+
+class BadSampleError(ValueError):
+    """A sample that cannot be trained on; the message names its shard file and key."""
+
+
+class ShardDataset(Dataset):
+    """Samples read lazily from memory-mapped shards: only the samples of the current batch are in memory.
+
+    on_bad_sample="fail" raises BadSampleError; "skip" returns speculators' SampleUnavailable, which its CollateFn
+    drops and counts in the batch's `error_records`."""
+
+    def __init__(self, refs: list[SampleRef], num_aux: int, *, dtype: torch.dtype = torch.float32,
+                 on_bad_sample: str = "fail"):
+        self.refs = refs
+        self.num_aux = num_aux
+        self.dtype = dtype
+        self.on_bad_sample = on_bad_sample
+        self.approx_lengths = [r.num_tokens for r in refs]
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor] | SampleUnavailable:
+        ref = self.refs[index]
+        try:
+            hs = self._read(ref)  # shape: [T, A + 1, H]
+        except BadSampleError as e:
+            if self.on_bad_sample == "fail":
+                raise
+            return SampleUnavailable(reason=str(e))
+        seq_len = ref.num_tokens
+        return {
+            "hidden_states": hs[:, : self.num_aux].flatten(1),   # shape: [T, A*H]
+            "input_ids": torch.tensor(ref.input_ids, dtype=torch.long),  # shape: [T]
+            "verifier_last_hidden_states": hs[:, self.num_aux],  # shape: [T, H]
+            "loss_mask": torch.tensor(ref.loss_mask, dtype=torch.long),  # shape: [T]
+            "lengths": torch.tensor([seq_len], dtype=torch.long),
+            "position_ids": torch.arange(seq_len, dtype=torch.long),
+        }
+
+    def _read(self, ref: SampleRef) -> torch.Tensor:
+        where = f"{ref.shard_path} key {ref.key} (sample {ref.id})"
+        try:
+            with safe_open(ref.shard_path, framework="pt") as f:
+                hs = f.get_tensor(f"{ref.key}.hs")
+                scale = f.get_tensor(f"{ref.key}.scale") if hs.dtype == torch.float8_e4m3fn else None
+        except Exception as e:  # safetensors raises several types for missing/short files and keys
+            raise BadSampleError(f"{where}: cannot read ({type(e).__name__}: {e})") from e
+        if hs.shape[0] != ref.num_tokens or hs.shape[1] != self.num_aux + 1:
+            raise BadSampleError(f"{where}: shape {list(hs.shape)} does not match manifest num_tokens="
+                                 f"{ref.num_tokens} and {self.num_aux + 1} layers")
+        hs = (hs.float() * scale.unsqueeze(-1)) if scale is not None else hs.float()
+        if not torch.isfinite(hs).all():
+            raise BadSampleError(f"{where}: hidden states hold non-finite values")
+        return hs.to(self.dtype)
+
+
+def make_loader(dataset: ShardDataset, *, total_seq_len: int, hidden_size: int, world_size: int, rank: int,
+                seed: int, num_workers: int = 1) -> DataLoader:
+    """Packed batches [1, total_seq_len, ...] for this rank; call `loader.batch_sampler.set_epoch(e)` each epoch.
+
+    speculators' sampler shuffles with seed + epoch and hands every rank the same number of batches, so DDP ranks
+    stay in step. A loader worker process reads and decodes the next batches while the model trains."""
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
+                                                 num_replicas=world_size, rank=rank, seed=seed)
+    collate = CollateFn(total_seq_len, hidden_size, num_target_layers=dataset.num_aux, dtype=dataset.dtype,
+                        preprocess=shift_batch)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
