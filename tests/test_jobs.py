@@ -67,7 +67,7 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
     # One sample per generate unit (each unit commits on its own), so the stop lands between commits.
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=16", "generate.max_batch_tokens=96",
+    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=40", "generate.max_batch_tokens=96",
                                      "--stages", "ingest,generate")
     ray_head.submit("eagle3-stop-1", *entrypoint)
     deadline = time.monotonic() + 600
