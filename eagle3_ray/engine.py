@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -88,17 +90,19 @@ class CaptureEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path,
                                                        trust_remote_code=self.cfg.verifier.trust_remote_code)
         self.chat = chat.ChatEncoder(self.tokenizer, self.cfg.generate.enable_thinking)
-        self._record_pids()
+        engine_procs = self._record_pids()
+        threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
 
-    def _record_pids(self) -> None:
+    def _record_pids(self) -> list:
         """engines/<incarnation>.json: this actor's and its engine processes' pids, for operators (and the fault
-        test) to find the engine of a replica."""
+        test) to find the engine of a replica. Returns the vLLM processes (EngineCore, workers)."""
         import psutil
 
-        children = [p.pid for p in psutil.Process().children(recursive=True)]
-        info = {"pid": os.getpid(), "engine_pids": children, "scratch": self.scratch}
+        children = psutil.Process().children(recursive=True)
+        info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
-        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=children)
+        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"])
+        return [p for p in children if "VLLM" in p.name() + " ".join(p.cmdline())]
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         rows: list[dict[str, Any]] = []
@@ -145,6 +149,24 @@ class CaptureEngine:
                 ok[i].update(shard=name, key=ok[i]["id"], num_tokens=hs.shape[0], hidden_size=hs.shape[2],
                              dtype=str(hs.dtype).removeprefix("torch."), layer_ids=self.layer_ids)
         return shard_bytes
+
+
+def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
+    """vLLM's synchronous client can block forever when its EngineCore process is killed (its monitor shuts the
+    output thread down without waking the waiting call), so the actor watches the processes itself and exits:
+    Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1)."""
+    import psutil
+
+    while True:
+        for p in procs:
+            try:
+                alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
+                os._exit(1)
+        time.sleep(poll_s)
 
 
 def _encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
