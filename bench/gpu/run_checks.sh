@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs ON the device after bench/gpu/install.sh (same warm machine), one or more steps per call; each step's log
+# and results land in $OUT, which comes back. Steps:
+#   verifier       build the Llama-3.1-8B-shaped verifier with random bf16 weights in /tmp/verifiers (kept while warm)
+#   generate       ingest + generate stages through ray_jobs/pipeline.py with bench/gpu/h200_llama3_8b.yaml
+#   check          captured hidden states vs a transformers forward pass (bench/gpu/check_capture.py)
+#   capture_bench  plain vLLM prefill vs prefill + capture through our connector, and the roofline
+#
+#   bash bench/gpu/run_checks.sh verifier generate check
+#   bash bench/gpu/run_checks.sh capture_bench
+#
+# Rehearsal here on CPU (tiny verifier, few prompts): E3R_CPU=1 PY=.venv/bin/python bash bench/gpu/run_checks.sh ...
+# Knobs: E3R_PRESET, E3R_VERIFIER, E3R_RUNS, E3R_RECIPE, E3R_OVERRIDES (extra section.field=value for the
+# pipeline), E3R_BENCH_ARGS (extra capture_bench.py arguments).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+source bench/gpu/env.sh
+PY="${PY:-python3}"
+OUT="${OUT:-/tmp/e3r_out}"
+mkdir -p "$OUT"
+if [ -n "${E3R_CPU:-}" ]; then
+    # The CPU build of vLLM needs these (FACTS.md); a small run that exercises the same code paths.
+    preset=tiny recipe=ray_jobs/configs/tiny_cpu.yaml
+    extra="run.name=gpu-rehearsal ingest.max_rows=12 generate.max_tokens=32 verifier.aux_layer_ids=[1,3,4]"
+    bench="--num-prompts 8 --prompt-len 128 --num-warmup 2 --aux-layer-ids [1,3,4]"
+else
+    preset=llama3-8b recipe=bench/gpu/h200_llama3_8b.yaml extra="" bench="--num-prompts 128 --prompt-len 2048"
+fi
+preset="${E3R_PRESET:-$preset}"
+verifier="${E3R_VERIFIER:-/tmp/verifiers/$preset}"
+runs="${E3R_RUNS:-/tmp/runs}"
+recipe="${E3R_RECIPE:-$recipe}"
+
+run_name() {
+    # shellcheck disable=SC2086  # extra and E3R_OVERRIDES are lists of overrides
+    "$PY" -c "import sys; from eagle3_ray.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run.name)" \
+        "$recipe" $extra ${E3R_OVERRIDES:-}
+}
+
+step_verifier() {
+    [ -f "$verifier/make_verifier.json" ] && { cat "$verifier/make_verifier.json"; echo; return; }
+    "$PY" bench/gpu/make_verifier.py "$preset" "$verifier"
+}
+
+step_generate() {
+    # shellcheck disable=SC2086  # extra and E3R_OVERRIDES are lists of overrides
+    "$PY" ray_jobs/pipeline.py "$recipe" --stages ingest,generate verifier.path="$verifier" \
+        run.storage_path="$runs" $extra ${E3R_OVERRIDES:-}
+    "$PY" - "$runs/$(run_name)" "$OUT/generate_summary.json" <<'PY'
+import json, sys
+from eagle3_ray import storage
+latest = storage.latest(sys.argv[1], "generate")
+summary = storage.read_json(storage.join(latest["path"], "summary.json"))
+open(sys.argv[2], "w").write(json.dumps(summary, indent=2))
+print("generate summary:", json.dumps(summary))
+PY
+}
+
+step_check() {
+    "$PY" bench/gpu/check_capture.py "$runs/$(run_name)" --num-samples 4 --out "$OUT/check_capture.json"
+}
+
+step_capture_bench() {
+    # shellcheck disable=SC2086  # bench and E3R_BENCH_ARGS are lists of arguments
+    "$PY" bench/gpu/capture_bench.py "$verifier" $bench ${E3R_BENCH_ARGS:-} --out "$OUT/capture_bench.json"
+}
+
+[ $# -gt 0 ] || { echo "usage: $0 verifier|generate|check|capture_bench ..." >&2; exit 2; }
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
+for step in "$@"; do
+    declare -F "step_$step" >/dev/null || { echo "unknown step $step" >&2; exit 2; }
+    start_s=$(date +%s)
+    echo "=== $step ($(date -u +%FT%TZ))"
+    "step_$step" 2>&1 | tee "$OUT/$step.log"
+    echo "=== $step done in $(( $(date +%s) - start_s )) s"
+done
