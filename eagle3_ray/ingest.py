@@ -42,6 +42,7 @@ CONVERSATION_COLUMNS = ["id", "messages", "source", "num_turns", "num_prompt_tok
 REJECT_COLUMNS = ["source", "reason", "detail", "raw"]
 MAX_RAW_CHARS = 2000
 PROGRESS_EVERY_S = 2.0
+ROWS_PER_TASK = 2048
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -119,7 +120,8 @@ def _pipeline(inputs: list[list[formats.InputFile]], cfg: Config, verifier_path:
         reads.extend(_read(files, file_order, cfg.ingest.max_rows))
         file_order += len(files)
     raw = reads[0].union(*reads[1:]) if len(reads) > 1 else reads[0]
-    return raw.map_batches(
+    # A file is parsed in one task; blocks of ROWS_PER_TASK rows let several tasks tokenize one large file.
+    return raw.repartition(target_num_rows_per_block=ROWS_PER_TASK).map_batches(
         _normalise_batch, batch_format="pyarrow", batch_size=256, num_cpus=1,
         compute=ray.data.TaskPoolStrategy(size=cfg.ingest.num_workers),
         fn_kwargs={"verifier_path": verifier_path, "trust_remote_code": cfg.verifier.trust_remote_code,
@@ -132,7 +134,7 @@ def _read(files: list[formats.InputFile], first_order: int, max_rows: int | None
     reads = []
     for order, item in enumerate(files, start=first_order):
         if item.kind == "builtin":
-            rows = [(i, formats._dumps(r), None) for i, r in enumerate(tiny_prompts()[:max_rows])]
+            rows = [(i, formats.dumps_row(r), None) for i, r in enumerate(tiny_prompts()[:max_rows])]
             reads.append(ray.data.from_arrow(_raw_table(rows, item.uri, order)))
         elif item.kind == "datasets":
             table = formats.load_datasets_table(item.uri)

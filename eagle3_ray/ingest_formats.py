@@ -150,7 +150,7 @@ def jsonl_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | N
         except ValueError as e:
             yield index, json.dumps(line.decode("utf-8")), f"invalid_json:{e}"
             continue
-        yield index, _dumps(row), None if isinstance(row, dict) else "not_an_object:a row must be a JSON object"
+        yield index, dumps_row(row), None if isinstance(row, dict) else "not_an_object:a row must be a JSON object"
 
 
 def table_rows(table: pa.Table, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
@@ -158,9 +158,9 @@ def table_rows(table: pa.Table, max_rows: int | None) -> Iterator[tuple[int, str
     for index, row in enumerate(rows):
         bad = [k for k, v in row.items() if isinstance(v, bytes) and not _is_utf8(v)]
         if bad:
-            yield index, _dumps({k: v for k, v in row.items() if k not in bad}), f"invalid_utf8:column {bad[0]!r}"
+            yield index, dumps_row({k: v for k, v in row.items() if k not in bad}), f"invalid_utf8:column {bad[0]!r}"
             continue
-        yield index, _dumps(row), None
+        yield index, dumps_row(row), None
 
 
 def parquet_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
@@ -175,7 +175,7 @@ def _is_utf8(value: bytes) -> bool:
     return True
 
 
-def _dumps(row: Any) -> str:
+def dumps_row(row: Any) -> str:
     # ASCII JSON carries lone surrogates (invalid in Arrow strings) as \ud800 escapes until the row is checked.
     return json.dumps(row, ensure_ascii=True, default=lambda v: v.decode("utf-8") if isinstance(v, bytes) else str(v))
 
