@@ -1,0 +1,271 @@
+"""Evaluate stage: decode held-out prompts in vLLM without speculation and with the exported drafter, measure
+acceptance and throughput, and gate deployment on the result.
+
+    python ray_jobs/evaluate.py ray_jobs/configs/tiny_cpu.yaml evaluate.min_speedup=1.1
+
+Engines run one at a time, each in its own Ray actor (its memory and Prometheus counters die with it): one baseline
+engine serves every concurrency level, then one engine per `num_speculative_tokens` value. A concurrency level c is
+measured by submitting the prompts in waves of c requests (temperature 0, `max_tokens`), so each wave decodes c
+sequences together. Writes `evaluate/{version}/results.json`, `report.md` and two PNG plots.
+
+The version hashes only what the measurement depends on, not the gate's thresholds: re-running with other
+thresholds re-applies the gate to the stored results without starting an engine. A miss raises `DeployGateError`
+(the job exits non-zero) unless `evaluate.report_only`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from eagle3_ray import contract, report, storage
+from eagle3_ray.config import Config
+from eagle3_ray.telemetry import log
+from eagle3_ray.tiny_verifier import resolve_verifier_path
+
+STAGE = "evaluate"
+GATE_FIELDS = ("min_speedup", "min_acceptance_length", "report_only", "require_identical_outputs")
+SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
+
+
+class DeployGateError(RuntimeError):
+    """The drafter missed the deploy gate: the message is the summary table and every missed threshold."""
+
+
+class EngineBench:
+    """Ray actor around one vLLM engine: greedy decoding of token-id prompts at a given concurrency."""
+
+    def __init__(self, engine_args: dict[str, Any]):
+        from vllm import LLM
+
+        self.llm = LLM(**engine_args)
+
+    def aux_layer_ids(self) -> list[int] | None:
+        ids = contract.vllm_aux_layer_ids(self.llm)
+        return list(ids) if ids is not None else None
+
+    def _spec_counters(self) -> dict[str, Any]:
+        from vllm.v1.metrics.reader import Counter, Vector
+
+        totals: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS.values()}
+        totals["accepted_per_pos"] = []
+        for m in self.llm.get_metrics():
+            if isinstance(m, Counter) and m.name in SPEC_COUNTERS:
+                totals[SPEC_COUNTERS[m.name]] += m.value
+            elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                pos = totals["accepted_per_pos"]
+                totals["accepted_per_pos"] = [a + b for a, b in zip(pos + [0] * len(m.values), m.values)]
+        return totals
+
+    def measure(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
+        """Outputs (token ids per prompt), wall time and the spec-decode counter increments of this run."""
+        import time
+
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4),
+                          use_tqdm=False)  # warm-up: first-call allocations are not throughput
+        before = self._spec_counters()
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        for i in range(0, len(prompts), concurrency):
+            wave = [{"prompt_token_ids": p} for p in prompts[i:i + concurrency]]
+            outputs += [list(o.outputs[0].token_ids) for o in self.llm.generate(wave, params, use_tqdm=False)]
+        wall_s = time.perf_counter() - start
+        after = self._spec_counters()
+        spec = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
+        prev = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
+        spec["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+        return {"outputs": outputs, "wall_s": wall_s, "spec": spec}
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def load_prompts(cfg: Config) -> list[dict[str, Any]]:
+    """Held-out conversations `{"id", "messages"}`: `evaluate.prompts` (JSONL or Parquet with `messages` or
+    `prompt`) or the builtin eval split; the first `evaluate.num_prompts`, prompt turns only."""
+    from eagle3_ray.ingest_formats import conversation_id
+
+    if cfg.evaluate.prompts is None:
+        from eagle3_ray.prompts import tiny_prompts
+
+        rows = tiny_prompts(split="eval", seed=cfg.run.seed)
+        where = "builtin:tiny_prompts(split=eval)"
+    else:
+        rows, where = _read_rows(cfg.evaluate.prompts), cfg.evaluate.prompts
+    if len(rows) < cfg.evaluate.num_prompts:
+        raise ValueError(f"evaluate.num_prompts={cfg.evaluate.num_prompts} but {where} has {len(rows)} prompts")
+    prompts = []
+    for i, row in enumerate(rows[:cfg.evaluate.num_prompts]):
+        messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None)
+        if not messages or messages[-1]["role"] != "user":
+            raise ValueError(f"{where} row {i}: needs `messages` ending with a user turn, or a `prompt` string")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        prompts.append({"id": row.get("id") or conversation_id(messages), "messages": messages})
+    return prompts
+
+
+def _read_rows(uri: str) -> list[dict[str, Any]]:
+    if uri.endswith(".parquet"):
+        return storage.read_parquet(uri).to_pylist()
+    if uri.endswith(".jsonl"):
+        return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
+    raise ValueError(f"evaluate.prompts={uri!r}: must be a .jsonl or .parquet file")
+
+
+def check_held_out(prompts: list[dict[str, Any]], run_dir: str) -> dict[str, Any]:
+    """Refuse prompts the drafter was trained on: same conversation id or same user text as a row of the generate
+    stage's conversations (the training data)."""
+    latest = storage.latest(run_dir, "generate")
+    table = storage.read_parquet(storage.join(latest["path"], "conversations.parquet"), columns=["id", "messages"])
+    train_ids = set(table.column("id").to_pylist())
+    train_texts = {m["content"] for msgs in table.column("messages").to_pylist() for m in msgs if m["role"] == "user"}
+    overlap = [p["id"] for p in prompts
+               if p["id"] in train_ids or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")]
+    if overlap:
+        raise ValueError(f"{len(overlap)} evaluation prompt(s) were in the training data "
+                         f"({latest['path']}/conversations.parquet), e.g. ids {overlap[:5]}: evaluate on held-out prompts")
+    return {"num_train_conversations": len(train_ids), "generate_version": latest.get("version")}
+
+
+def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_speculative_tokens: int) -> dict:
+    args = dict(model=verifier_dir, dtype=cfg.verifier.dtype, max_model_len=cfg.verifier.max_model_len,
+                trust_remote_code=cfg.verifier.trust_remote_code, seed=cfg.run.seed, disable_log_stats=False)
+    if drafter_dir is not None:
+        args["speculative_config"] = {"method": "eagle3", "model": drafter_dir,
+                                      "num_speculative_tokens": num_speculative_tokens}
+    args.update(cfg.evaluate.engine_kwargs)
+    return args
+
+
+def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
+    """Start one engine actor, measure every concurrency level, stop it. Returns aux ids and one run per level."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=cfg.evaluate.num_cpus_per_engine, num_gpus=cfg.evaluate.num_gpus_per_engine)
+    actor = actor_cls(EngineBench).remote(args)
+    try:
+        aux = ray.get(actor.aux_layer_ids.remote()) if "speculative_config" in args else None
+        runs = {c: ray.get(actor.measure.remote(prompts, c, cfg.evaluate.max_tokens)) for c in cfg.evaluate.concurrency}
+        ray.get(actor.close.remote())
+    finally:
+        ray.kill(actor)
+    return {"vllm_aux_layer_ids": aux, "runs": runs}
+
+
+def measure_all(cfg: Config, verifier_dir: str, drafter_dir: str, token_prompts: list[list[int]],
+                capture: dict[str, Any], capture_where: str) -> dict[str, Any]:
+    base = run_engine(cfg, engine_args(cfg, verifier_dir, None, 0), token_prompts)["runs"]
+    rows = [report.baseline_row(c, run) for c, run in base.items()]
+    checked = {}
+    for k in cfg.evaluate.num_speculative_tokens:
+        spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), token_prompts)
+        contract.check_vllm_aux_layers(spec["vllm_aux_layer_ids"], capture, capture_where=capture_where)
+        checked[k] = spec["vllm_aux_layer_ids"]
+        rows += [report.spec_row(k, c, run, base[c]) for c, run in spec["runs"].items()]
+        log(STAGE, "measured", num_speculative_tokens=k, vllm_aux_layer_ids=spec["vllm_aux_layer_ids"])
+    return {"rows": rows, "vllm_aux_layer_ids": checked}
+
+
+def _tokenize(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifier_dir, trust_remote_code=trust_remote_code)
+    return [list(tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
+            for p in prompts]
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    from eagle3_ray.raycluster import ensure_ray
+
+    run_dir = cfg.run.run_dir
+    export_latest = storage.latest(run_dir, "export")
+    export_dir = export_latest["path"]
+    capture_where = storage.join(export_dir, "capture.json")
+    capture = storage.read_json(capture_where)
+    verifier_dir = resolve_verifier_path(cfg.verifier.path, run_dir, cfg.verifier.dtype)
+    prompts = load_prompts(cfg)
+    held_out = check_held_out(prompts, run_dir)
+    measured = {k: v for k, v in cfg.to_dict()["evaluate"].items() if k not in GATE_FIELDS}
+    version = storage.version_hash(measured, export_latest["version"], verifier_dir, [p["id"] for p in prompts],
+                                   cfg.verifier.dtype, cfg.verifier.max_model_len, cfg.run.seed)
+    out_dir = storage.stage_dir(run_dir, STAGE, version)
+    results_uri = storage.join(out_dir, "results.json")
+    if storage.is_complete(out_dir):
+        log(STAGE, "skip", reason="already measured; re-applying the gate", version=version)
+        results = storage.read_json(results_uri)
+    else:
+        ensure_ray(cfg.run)
+        drafter_dir = _local_drafter(storage.join(export_dir, "speculators"))
+        contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
+        token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)
+        log(STAGE, "start", version=version, num_prompts=len(prompts), drafter=drafter_dir)
+        results = {"version": version, "verifier_path": verifier_dir, "export_version": export_latest["version"],
+                   "drafter_dir": storage.join(export_dir, "speculators"), "held_out": held_out,
+                   "prompt_ids": [p["id"] for p in prompts], "max_tokens": cfg.evaluate.max_tokens,
+                   "capture_aux_layer_ids": capture["aux_layer_ids"],
+                   **measure_all(cfg, verifier_dir, drafter_dir, token_prompts, capture, capture_where)}
+    results["gate"] = gate(results["rows"], cfg)
+    report.write(out_dir, results)
+    storage.write_json_atomic(storage.join(out_dir, "provenance.json"),
+                              storage.provenance(cfg.to_dict(), input_fingerprint=export_latest["version"]))
+    storage.mark_complete(out_dir, {"version": version, "passed": results["gate"]["passed"]})
+    storage.set_latest(run_dir, STAGE, version, passed=results["gate"]["passed"])
+    return _verdict(cfg, results)
+
+
+def _local_drafter(uri: str) -> str:
+    """vLLM reads a local directory: a drafter on an object store is copied to the node's temp dir first."""
+    if "://" not in uri:
+        return uri
+    local = Path(tempfile.mkdtemp(prefix="eagle3-drafter-"))
+    for name in ("config.json", "model.safetensors"):
+        (local / name).write_bytes(storage.read_bytes(storage.join(uri, name)))
+    return str(local)
+
+
+def _min_speedup(cfg: Config, concurrency: int) -> float | None:
+    threshold = cfg.evaluate.min_speedup
+    return threshold.get(concurrency) if isinstance(threshold, dict) else threshold
+
+
+def gate(rows: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
+    """A draft length passes when every concurrency meets its thresholds and, if required, greedy outputs are
+    identical; the drafter passes when some draft length does. The recommended length has the best worst speedup."""
+    misses: dict[int, list[str]] = {}
+    for row in (r for r in rows if r["num_speculative_tokens"]):
+        k, c, reasons = row["num_speculative_tokens"], row["concurrency"], misses.setdefault(row["num_speculative_tokens"], [])
+        need = _min_speedup(cfg, c)
+        if need is not None and row["speedup"] < need:
+            reasons.append(f"k={k} c={c}: speedup {row['speedup']:.3f} < min_speedup {need}")
+        need = cfg.evaluate.min_acceptance_length
+        if need is not None and row["mean_acceptance_length"] < need:
+            reasons.append(f"k={k} c={c}: mean acceptance length {row['mean_acceptance_length']:.3f} "
+                           f"< min_acceptance_length {need}")
+        if cfg.evaluate.require_identical_outputs and row["num_mismatched_outputs"]:
+            reasons.append(f"k={k} c={c}: {row['num_mismatched_outputs']} greedy output(s) differ from plain decoding "
+                           f"(prompts {[m['prompt'] for m in row['mismatches'][:5]]})")
+    passing = [k for k, reasons in misses.items() if not reasons]
+    worst = {k: min(r["speedup"] for r in rows if r["num_speculative_tokens"] == k) for k in passing}
+    return {"passed": bool(passing), "passing_num_speculative_tokens": passing,
+            "recommended_num_speculative_tokens": max(worst, key=worst.get) if worst else None,
+            "misses": [m for reasons in misses.values() for m in reasons],
+            "thresholds": {f: getattr(cfg.evaluate, f) for f in GATE_FIELDS}}
+
+
+def _verdict(cfg: Config, results: dict[str, Any]) -> dict[str, Any]:
+    table = report.summary_table(results)
+    verdict = "PASS" if results["gate"]["passed"] else "FAIL"
+    log(STAGE, "gate", verdict=verdict, report_only=cfg.evaluate.report_only,
+        recommended_num_speculative_tokens=results["gate"]["recommended_num_speculative_tokens"])
+    print(table, flush=True)
+    if not results["gate"]["passed"] and not cfg.evaluate.report_only:
+        raise DeployGateError(f"deploy gate FAILED for drafter {results['drafter_dir']}:\n  - "
+                              + "\n  - ".join(results["gate"]["misses"]) + "\n" + table)
+    return {"version": results["version"], "passed": results["gate"]["passed"], "gate": results["gate"],
+            "rows": results["rows"]}

@@ -1,0 +1,153 @@
+"""Export stage: a trained checkpoint -> a drafter directory vLLM loads as an eagle3 speculator.
+
+    python ray_jobs/export.py ray_jobs/configs/tiny_cpu.yaml export.checkpoint=last
+
+Reads `train/LATEST.json`, picks the checkpoint (`export.checkpoint`: best | last | epoch=N), checks the
+capture/serving contract (contract.py) against the checkpoint's capture.json and the verifier, and writes
+`export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
+actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
+already has or vLLM does not need. The contract is checked again on the written directory.
+
+What is left out and why (vLLM 0.32 `Eagle3LlamaForCausalLM.load_weights` + `_maybe_share_embeddings`):
+- `embed_tokens`: without it vLLM logs "Detected EAGLE model without its own embed_tokens ... Sharing target model
+  embedding weights" and uses the verifier's; speculators' from_pretrained reloads it from the verifier path.
+- `verifier_lm_head`, `verifier_norm`: training-only (they make the targets); never used at inference.
+Kept: `lm_head` (the draft-vocab rows of the verifier head; vLLM only shares the target head when the draft vocab is
+the full vocab), `d2t` (vLLM maps draft ids to target ids with it), `t2d` (vLLM skips it; speculators reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3_ray import contract, storage
+from eagle3_ray.config import Config
+from eagle3_ray.telemetry import log
+from eagle3_ray.tiny_verifier import resolve_verifier_path
+
+STAGE = "export"
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "capture.json")
+NOT_EXPORTED = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")
+
+
+def pick_checkpoint(latest: dict[str, Any], which: str) -> dict[str, Any]:
+    """The train/LATEST.json entry for `best`, `last` or `epoch=N` (an error lists the epochs there are)."""
+    entries = latest.get("checkpoints") or []
+    if which in ("best", "last"):
+        entry = latest.get(which)
+        if not entry:
+            raise ValueError(f"export.checkpoint={which!r} but train/LATEST.json names no {which!r} checkpoint")
+        return entry if isinstance(entry, dict) else {"path": entry}
+    epoch = int(which.split("=", 1)[1])
+    for entry in entries:
+        if entry.get("epoch") == epoch:
+            return entry
+    raise ValueError(f"export.checkpoint={which!r} but train/LATEST.json keeps epochs "
+                     f"{sorted(e.get('epoch') for e in entries)}")
+
+
+def _download(dir_uri: str, names: tuple[str, ...], local: Path) -> Path:
+    local.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        uri = storage.join(dir_uri, name)
+        if not storage.exists(uri):
+            raise ValueError(f"checkpoint {dir_uri} has no {name}: is it a finished train checkpoint?")
+        (local / name).write_bytes(storage.read_bytes(uri))
+    return local
+
+
+def export_config(checkpoint_config: dict[str, Any], capture: dict[str, Any], verifier_dir: str, dtype: str) -> dict:
+    """The checkpoint's speculators config with the verifier this run uses and the aux ids the data has."""
+    config = json.loads(json.dumps(checkpoint_config))
+    config.pop("auto_map", None)  # points at a config.py the export does not ship; speculators/vLLM use the type field
+    config["eagle_aux_hidden_state_layer_ids"] = list(capture["aux_layer_ids"])
+    config["dtype"] = dtype
+    verifier = config["speculators_config"]["verifier"]
+    verifier["name_or_path"] = verifier_dir
+    verifier["architectures"] = list(capture["verifier_architectures"])
+    return config
+
+
+def load_drafter(checkpoint_dir: Path, config_dir: Path):
+    """speculators' Eagle3DraftModel from a checkpoint's weights; frozen parts (embeddings, head rows) from the
+    verifier named in `config_dir/config.json`. A weight nobody provides fails here instead of as NaNs in vLLM."""
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = Eagle3SpeculatorConfig.from_pretrained(str(config_dir))
+    model = Eagle3DraftModel.from_pretrained(str(checkpoint_dir), config=config)
+    missing = [k for k, v in model.state_dict().items() if v.is_floating_point() and v.isnan().any()]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint_dir} and verifier leave weights unset: {missing}")
+    return model
+
+
+def write_speculators(model, config: dict[str, Any], out: Path, dtype: str) -> dict[str, list[int]]:
+    """config.json + model.safetensors (float weights in `dtype`); returns the exported tensor shapes."""
+    from safetensors.torch import save_file
+
+    torch_dtype = getattr(torch, dtype)
+    tensors = {k: (v.to(torch_dtype) if v.is_floating_point() else v).detach().contiguous()
+               for k, v in model.state_dict().items() if not k.startswith(NOT_EXPORTED)}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return {k: list(v.shape) for k, v in tensors.items()}
+
+
+def _upload(local: Path, dir_uri: str) -> None:
+    for path in sorted(local.iterdir()):
+        storage.write_bytes_atomic(storage.join(dir_uri, path.name), path.read_bytes())
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    run_dir = cfg.run.run_dir
+    train_latest = storage.latest(run_dir, "train")
+    entry = pick_checkpoint(train_latest, cfg.export.checkpoint)
+    verifier_dir = resolve_verifier_path(cfg.verifier.path, run_dir, cfg.verifier.dtype)
+    version = storage.version_hash(cfg.to_dict()["export"], entry["path"], train_latest.get("version"), verifier_dir)
+    out_dir = storage.stage_dir(run_dir, STAGE, version)
+    if storage.is_complete(out_dir):
+        log(STAGE, "skip", reason="already exported", version=version, path=out_dir)
+        storage.set_latest(run_dir, STAGE, version)
+        return storage.read_json(storage.join(out_dir, "summary.json"))
+    log(STAGE, "start", checkpoint=cfg.export.checkpoint, path=entry["path"], version=version)
+    with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
+        ckpt = _download(entry["path"], CHECKPOINT_FILES, Path(tmp) / "checkpoint")
+        capture = json.loads((ckpt / "capture.json").read_text())
+        capture_where = f"{entry['path']}/capture.json"
+        checkpoint_config = json.loads((ckpt / "config.json").read_text())
+        verifier_config = json.loads(Path(verifier_dir, "config.json").read_text())
+        contract.check_contract(checkpoint_config, capture, verifier_config, drafter_where=f"{entry['path']}/config.json",
+                                capture_where=capture_where, verifier_where=f"{verifier_dir}/config.json")
+        spec_dir = Path(tmp) / "speculators"
+        config = export_config(checkpoint_config, capture, verifier_dir, cfg.export.dtype)
+        spec_dir.mkdir()
+        (spec_dir / "config.json").write_text(json.dumps(config))
+        shapes = write_speculators(load_drafter(ckpt, spec_dir), config, spec_dir, cfg.export.dtype)
+        agreed = contract.check_dir(str(spec_dir), capture, verifier_dir, capture_where=capture_where)
+        for fmt in cfg.export.formats:
+            _upload(spec_dir if fmt == "speculators" else _other_format(fmt, spec_dir, Path(tmp)),
+                    storage.join(out_dir, fmt))
+        (Path(tmp) / "capture.json").write_text(json.dumps(capture))
+        storage.write_bytes_atomic(storage.join(out_dir, "capture.json"), (ckpt / "capture.json").read_bytes())
+    summary = {"version": version, "checkpoint": entry, "formats": list(cfg.export.formats), "contract": agreed,
+               "tensors": shapes, "speculators_dir": storage.join(out_dir, "speculators"), "verifier_path": verifier_dir}
+    storage.write_json_atomic(storage.join(out_dir, "summary.json"), summary)
+    storage.write_json_atomic(storage.join(out_dir, "provenance.json"),
+                              storage.provenance(cfg.to_dict(), input_fingerprint=entry["path"]))
+    storage.mark_complete(out_dir, {"version": version})
+    storage.set_latest(run_dir, STAGE, version, speculators_dir=summary["speculators_dir"])
+    log(STAGE, "done", version=version, aux_layer_ids=agreed["aux_layer_ids"], num_tensors=len(shapes),
+        path=summary["speculators_dir"])
+    return summary
+
+
+def _other_format(fmt: str, spec_dir: Path, tmp: Path) -> Path:
+    from eagle3_ray import export_sglang
+
+    return export_sglang.write(spec_dir, tmp / fmt)

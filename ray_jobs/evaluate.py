@@ -1,0 +1,36 @@
+"""Evaluate the exported drafter in vLLM against plain decoding on held-out prompts, and gate deployment:
+evaluate/{version}/ (results.json, report.md, acceptance_per_position.png, throughput_vs_concurrency.png).
+
+    python ray_jobs/evaluate.py ray_jobs/configs/tiny_cpu.yaml [evaluate.min_speedup=1.2 evaluate.report_only=false]
+    ray job submit --working-dir . -- python ray_jobs/evaluate.py ray_jobs/configs/llama3_8b.yaml run.name=demo
+
+Exits 1 when the drafter misses the gate (unless evaluate.report_only), so a job pipeline stops here. Re-running a
+finished evaluation with other thresholds re-applies the gate without starting an engine.
+"""
+
+import argparse
+import sys
+
+from eagle3_ray import evaluate
+from eagle3_ray.config import dump_config, load_config
+from eagle3_ray.telemetry import log
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.field=value")
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    log("evaluate", "config", recipe=args.config, overrides=args.overrides)
+    print(dump_config(cfg), flush=True)
+    try:
+        evaluate.run(cfg)
+    except evaluate.DeployGateError as e:
+        print(e, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

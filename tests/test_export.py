@@ -1,0 +1,115 @@
+"""Export stage and contract check on a real speculators drafter trained briefly on the tiny verifier's outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from drafters import cached_run
+from eagle3_ray import contract, export, storage
+from eagle3_ray.config import config_from_dict
+
+
+def make_cfg(run_dir, verifier_dir: str, **export_fields):
+    return config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                             "verifier": {"path": verifier_dir, "max_model_len": 512},
+                             "export": export_fields})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_llama):
+    """Two epochs of a trained drafter (best = epoch 0, last = epoch 1), shared with test_evaluate.py."""
+    return cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=120, num_epochs=2)
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tiny_llama):
+    return export.run(make_cfg(run_dir, tiny_llama))
+
+
+def test_export_writes_bf16_speculators_drafter_without_optimizer_or_frozen_verifier_weights(exported, tiny_llama):
+    out = exported["speculators_dir"]
+    assert sorted(p.split("/")[-1] for p in storage.list_files(out)) == ["config.json", "model.safetensors"]
+    config = storage.read_json(storage.join(out, "config.json"))
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["speculators_config"]["verifier"] == {"architectures": ["LlamaForCausalLM"], "name_or_path": tiny_llama}
+    assert config["draft_vocab_size"] == 1024 and config["dtype"] == "bfloat16"
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert not [k for k in tensors if k.startswith(("embed_tokens", "verifier_lm_head", "verifier_norm"))]
+    assert {"fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight"} <= set(tensors)
+    assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["lm_head.weight"].shape == (1024, 256)
+
+
+def test_exported_drafter_loads_in_speculators_with_the_checkpoint_weights(exported, run_dir, tiny_llama):
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import AutoModelForCausalLM
+
+    model = Eagle3DraftModel.from_pretrained(exported["speculators_dir"])
+    ckpt = load_file(f"{exported['checkpoint']['path']}/model.safetensors")
+    assert torch.equal(model.fc.weight.to(torch.bfloat16), ckpt["fc.weight"].to(torch.bfloat16))
+    verifier = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    # embeddings come back from the verifier named in config.json, not from the export
+    assert torch.equal(model.embed_tokens.weight.float(), verifier.model.embed_tokens.weight.float())
+    assert model.config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
+
+
+def test_export_picks_best_last_or_a_named_epoch_and_lists_epochs_it_does_not_have(run_dir):
+    latest = storage.latest(str(run_dir), "train")
+    assert export.pick_checkpoint(latest, "best")["epoch"] == 0
+    assert export.pick_checkpoint(latest, "last")["path"].endswith("epoch_1")
+    assert export.pick_checkpoint(latest, "epoch=0")["path"].endswith("epoch_0")
+    with pytest.raises(ValueError, match=r"epoch=7.*keeps epochs \[0, 1\]"):
+        export.pick_checkpoint(latest, "epoch=7")
+
+
+def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exported, run_dir, tiny_llama, capsys):
+    last = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
+    assert last["version"] != exported["version"] and last["checkpoint"]["epoch"] == 1
+    again = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
+    assert again == last and "skip reason=already exported" in capsys.readouterr().out
+    export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
+
+
+def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama, tmp_path):
+    bad_run = tmp_path / "bad"
+    shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"))
+    best = storage.latest(str(run_dir), "train")["best"]["path"]
+    latest = storage.latest(str(run_dir), "train")
+    text = json.dumps(latest).replace(str(run_dir), str(bad_run))
+    (bad_run / "train" / "LATEST.json").write_text(text)
+    config_path = bad_run / best.removeprefix(str(run_dir) + "/") / "config.json"
+    config = json.loads(config_path.read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[1, 3, 5\] but data was captured at "
+                                         r"\[1, 3, 4\] \(.*capture\.json\)"):
+        export.run(make_cfg(bad_run, tiny_llama))
+    assert not (bad_run / "export" / "LATEST.json").exists()
+
+
+def test_contract_says_which_side_says_what_for_norm_sizes_and_architecture(exported, tiny_llama):
+    drafter = storage.read_json(storage.join(exported["speculators_dir"], "config.json"))
+    verifier = json.loads(open(f"{tiny_llama}/config.json").read())
+    capture = storage.read_json(storage.join(exported["speculators_dir"], "..", "capture.json"))
+    assert contract.check_contract(drafter, capture, verifier, drafter_where="d", capture_where="c")["aux_layer_ids"] \
+        == [1, 3, 4]
+    bad = {**capture, "final_layer_norm": "post", "hidden_size": 512, "verifier_architectures": ["Qwen3ForCausalLM"]}
+    with pytest.raises(ValueError) as err:
+        contract.check_contract(drafter, bad, verifier, drafter_where="d", capture_where="c", verifier_where="v")
+    message = str(err.value)
+    assert "final_layer_norm='post'" in message and "expects 'pre'" in message
+    assert "drafter config (d) verifier hidden_size=256 but capture.json (c) says hidden_size=512" in message
+    assert "verifier config (v) architectures=['LlamaForCausalLM'] but capture.json (c) says " \
+           "verifier_architectures=['Qwen3ForCausalLM']" in message
+    nested = {"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": {**verifier, "vocab_size": 99}}
+    with pytest.raises(ValueError, match="vocab_size=99"):
+        contract.check_contract(drafter, capture, nested, drafter_where="d", capture_where="c", verifier_where="v")
