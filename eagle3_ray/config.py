@@ -222,17 +222,43 @@ class EvaluateConfig:
     """Draft lengths to evaluate; each is a separate vLLM run."""
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     """Concurrent requests (batch sizes) to measure throughput at."""
-    min_speedup: float | None = None
-    """Gate: the drafter fails if output tokens/s with it / without it is below this at any concurrency."""
+    min_speedup: float | dict[int, float] | None = None
+    """Gate: minimum output tokens/s with the drafter / without it. A number applies at every concurrency; a mapping
+    `{concurrency: minimum}` sets it per concurrency (levels not named are not gated)."""
     min_acceptance_length: float | None = None
     """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
+    require_identical_outputs: bool = True
+    """Gate: greedy outputs with the drafter must equal those without it (speculation must not change results)."""
     report_only: bool = False
-    """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay)."""
+    """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay).
+    A draft length passes when all its concurrency levels meet the thresholds; the drafter passes when one does."""
+    prompts: str | None = None
+    """Held-out prompts: a JSONL or Parquet file (local or URI) with `messages` (or a `prompt` string) and optionally
+    `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are refused."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `vllm.LLM`, the same for both engines (e.g. enforce_eager, kv_cache_memory_bytes)."""
+    num_cpus_per_engine: float = 1.0
+    """CPUs Ray reserves for the engine actor."""
+    num_gpus_per_engine: float = 0.0
+    """GPUs Ray reserves for the engine actor (1 on GPU clusters, 0 on CPU)."""
 
     def __post_init__(self) -> None:
         _check(self.num_prompts > 0, "evaluate.num_prompts", "must be > 0")
-        _check(all(k >= 1 for k in self.num_speculative_tokens), "evaluate.num_speculative_tokens", "values must be >= 1")
-        _check(all(c >= 1 for c in self.concurrency), "evaluate.concurrency", "values must be >= 1")
+        _check(self.max_tokens > 0, "evaluate.max_tokens", "must be > 0")
+        _check(len(self.num_speculative_tokens) > 0 and all(k >= 1 for k in self.num_speculative_tokens),
+               "evaluate.num_speculative_tokens", "needs values >= 1")
+        _check(len(self.concurrency) > 0 and all(c >= 1 for c in self.concurrency), "evaluate.concurrency",
+               "needs values >= 1")
+        if isinstance(self.min_speedup, dict):
+            unknown = sorted(set(self.min_speedup) - set(self.concurrency))
+            _check(not unknown, "evaluate.min_speedup", f"names concurrency levels {unknown} that are not in "
+                   f"evaluate.concurrency={self.concurrency}")
+            _check(all(v > 0 for v in self.min_speedup.values()), "evaluate.min_speedup", "values must be > 0")
+        elif self.min_speedup is not None:
+            _check(self.min_speedup > 0, "evaluate.min_speedup", "must be > 0")
+        _check(self.min_acceptance_length is None or self.min_acceptance_length >= 1, "evaluate.min_acceptance_length",
+               "must be >= 1 (1.0 = no token accepted)")
+        _check(self.num_cpus_per_engine > 0, "evaluate.num_cpus_per_engine", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
