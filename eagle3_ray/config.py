@@ -184,6 +184,11 @@ class TrainConfig:
     """Worker-group restarts Ray Train allows before the run fails."""
     on_bad_sample: Literal["fail", "skip"] = "fail"
     """A missing/truncated/non-finite sample: fail the run naming the file, or skip and count it."""
+    num_loader_workers: int = 1
+    """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline)."""
+    kill_worker_at: list[int] | None = None
+    """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
+    itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
@@ -195,6 +200,15 @@ class TrainConfig:
         _check(0 < self.val_fraction < 1, "train.val_fraction", "must be in (0, 1)")
         _check(self.num_to_keep >= 1, "train.num_to_keep", "must be >= 1")
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
+        _check(self.num_loader_workers >= 0, "train.num_loader_workers", "must be >= 0")
+        _check(self.log_every_steps >= 1, "train.log_every_steps", "must be >= 1")
+        _check(self.attn_impl in ("auto", "sdpa", "eager", "simple_flex_attention"), "train.attn_impl",
+               f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}")
+        _check(self.loss_implementation in ("auto", "eager", "fused"), "train.loss_implementation",
+               f"must be auto, eager or fused, got {self.loss_implementation!r}")
+        if self.kill_worker_at is not None:
+            _check(len(self.kill_worker_at) == 2 and min(self.kill_worker_at) >= 0, "train.kill_worker_at",
+                   f"must be [epoch, step] with both >= 0, got {self.kill_worker_at!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,276 @@
+"""The function every Ray Train worker runs: build the drafter, restore the last checkpoint, train epoch by epoch,
+validate, and report metrics + a checkpoint once per epoch (rank 0 writes it; every rank calls report).
+
+Metric names: `loss`, `acc_k` = speculators' full_acc_k (draft steps 0..k all correct, teacher-forced),
+`cond_acc_k` (step k correct given 0..k-1 correct). Simulated acceptance length = 1 + sum_k acc_k, which equals
+1 + sum_k prod_{j<=k} cond_acc_j: the expected tokens per verifier step with greedy drafts of length ttt_steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint
+from transformers import get_cosine_schedule_with_warmup
+
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.train.cli import create_transformer_layer_config
+
+from eagle3_ray import checkpoints, data, vocab
+from eagle3_ray.config import Config, config_from_dict
+from eagle3_ray.telemetry import JsonlWriter, log, metrics
+
+
+def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device) -> Eagle3DraftModel:
+    """speculators' Eagle3 drafter; embeddings, verifier head and norm are loaded from the verifier (frozen)."""
+    tc = cfg.train
+    verifier = capture["verifier_path"]
+    attn = tc.attn_impl if tc.attn_impl != "auto" else ("simple_flex_attention" if tc.use_gpu else "sdpa")
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier, num_layers=tc.num_draft_layers, draft_arch="llama", hidden_act="silu",
+        sliding_window=tc.total_seq_len, full_attention_indices=list(range(tc.num_draft_layers)))
+    d2t, t2d = vocab.load_vocab(vocab_dir)
+    model = Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=tc.draft_vocab_size,
+        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=tc.ttt_steps,
+        verifier_name_or_path=verifier, target_layer_ids=capture["aux_layer_ids"], draft_attn_impl=attn)
+    return model.to(device)
+
+
+def loss_kwargs(cfg: Config) -> dict[str, Any]:
+    tc = cfg.train
+    impl = tc.loss_implementation if tc.loss_implementation != "auto" else ("fused" if tc.use_gpu else "eager")
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation=impl,
+                                                          ttt_steps=tc.ttt_steps, ttt_step_loss_decay=1.0)
+    return train_kwargs
+
+
+def make_loaders(cfg: Config, lc: dict, rank: int, world: int):
+    """(train loader, val loader) over this rank's share of the samples; hidden states stay on disk until read."""
+    import pyarrow.parquet as pq
+
+    from eagle3_ray import storage
+
+    gen_dir, capture = lc["gen_dir"], lc["capture"]
+    manifest = [r for r in storage.read_parquet(storage.join(gen_dir, "manifest.parquet")).to_pylist()
+                if r["id"] not in set(lc["skip_ids"])]
+    convs = pq.read_table(storage.join(gen_dir, "conversations.parquet"), columns=["id", "input_ids", "loss_mask"])
+    refs = data.build_refs(manifest, {r["id"]: r for r in convs.to_pylist()}, storage.join(gen_dir, "shards"))
+    val_ids = set(lc["val_ids"])
+    num_aux, hidden = len(capture["aux_layer_ids"]), capture["hidden_size"]
+    dtype = torch.bfloat16 if cfg.train.use_gpu else torch.float32
+    loaders = []
+    for part, workers in (([r for r in refs if r.id not in val_ids], cfg.train.num_loader_workers),
+                          ([r for r in refs if r.id in val_ids], 0)):
+        ds = data.ShardDataset(part, num_aux, dtype=dtype, on_bad_sample=cfg.train.on_bad_sample)
+        loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
+                                        world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers))
+    return loaders[0], loaders[1]
+
+
+class MetricSums:
+    """speculators' `{name}_sum` / `{name}_total` metrics summed over steps (and ranks), normalized on read."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+
+    def add(self, step_metrics: dict[str, torch.Tensor], **extra: float) -> None:
+        for k, v in step_metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        for k, v in extra.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+
+    def reduce(self) -> dict[str, float]:
+        """Sum across ranks (every rank must call this at the same point)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            keys = sorted(self.sums)
+            t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(t)
+            return dict(zip(keys, t.tolist(), strict=True))
+        return dict(self.sums)
+
+
+def summarize(sums: dict[str, float], ttt_steps: int, prefix: str) -> dict[str, float]:
+    """Normalized loss and per-position accuracies; `prefix` is `train_` or `val_`."""
+    out = {f"{prefix}loss": sums["loss_sum"] / max(sums["loss_total"], 1.0)}
+    for k in range(ttt_steps):
+        out[f"{prefix}acc_{k}"] = sums[f"full_acc_{k}_sum"] / max(sums[f"full_acc_{k}_total"], 1.0)
+        out[f"{prefix}cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / max(sums[f"cond_acc_{k}_total"], 1.0)
+    out[f"{prefix}acceptance_length"] = 1.0 + sum(out[f"{prefix}acc_{k}"] for k in range(ttt_steps))
+    return out
+
+
+def _step_metrics(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    keep = ("loss_sum", "loss_total", "full_acc_", "cond_acc_")
+    return {k: v.detach() for k, v in metric_dict.items() if k.startswith(keep)}
+
+
+def _tensors(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _maybe_kill(cfg: Config, out_dir: str, epoch: int, step: int, rank: int, world: int) -> None:
+    """Test hook: a real SIGKILL of this worker process, once per run (the marker survives the restart)."""
+    if cfg.train.kill_worker_at != [epoch, step] or rank != min(1, world - 1):
+        return
+    marker = os.path.join(out_dir, "_fault_injected")
+    if os.path.exists(marker):
+        return
+    with open(marker, "w") as f:
+        f.write(f"epoch={epoch} step={step} pid={os.getpid()}\n")
+    log("train", "fault_injection", epoch=epoch, step=step, rank=rank, pid=os.getpid())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Sinks:
+    """Where rank 0's metric records go: a log line, metrics.jsonl, TensorBoard and Ray gauges."""
+
+    def __init__(self, out_dir: str, run_name: str, enabled: bool):
+        self.enabled = enabled
+        self.tags = {"stage": "train", "run": run_name}
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.jsonl = JsonlWriter(os.path.join(out_dir, "metrics.jsonl"))
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+    def emit(self, kind: str, step: int, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        log("train", kind, step=step, **record)
+        self.jsonl.write({"kind": kind, "step": step, **record})
+        for k, v in record.items():
+            if isinstance(v, float):
+                self.tb.add_scalar(f"{kind}/{k}", v, step)
+        self.tb.flush()
+        loss_key = "train_loss" if kind == "train" else "val_loss"
+        metrics.gauge(loss_key, "drafter loss").set(record[loss_key], tags=self.tags)
+        acc_key = "train_acc_0" if kind == "train" else "val_acc_0"
+        metrics.gauge(acc_key, "drafter first-position accuracy").set(record[acc_key], tags=self.tags)
+        metrics.gauge("epoch", "current training epoch").set(record["epoch"], tags=self.tags)
+
+
+class Loop:
+    """One worker's training state and its epoch/validation/checkpoint steps."""
+
+    def __init__(self, lc: dict):
+        self.cfg = config_from_dict(lc["cfg"])
+        self.lc, self.out_dir = lc, lc["out_dir"]
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+        torch.manual_seed(self.cfg.run.seed)
+        raw = build_model(self.cfg, lc["capture"], os.path.join(self.out_dir, "vocab"), self.device)
+        self.raw = raw
+        self.model = ray.train.torch.prepare_model(raw)
+        self.optimizer = torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=self.cfg.train.lr)
+        self.train_loader, self.val_loader = make_loaders(self.cfg, lc, self.rank, self.world)
+        self.steps_per_epoch = len(self.train_loader)
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, self.cfg.train.warmup_steps,
+                                                         self.cfg.train.epochs * self.steps_per_epoch)
+        self.kwargs = loss_kwargs(self.cfg)
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.use_gpu)
+        self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
+        self.start_epoch, self.step, self.best = 0, 0, None
+
+    def restore(self) -> None:
+        """Resume after the last reported checkpoint: weights, optimizer, scheduler, RNG, epoch and step."""
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return
+        with ckpt.as_directory() as d:
+            state = checkpoints.restore(d, self.raw, self.optimizer, self.scheduler)
+        self.start_epoch, self.step, self.best = state["epoch"] + 1, state["step"], state["best"]
+        if self.rank == 0:
+            log("train", "resumed", from_epoch=state["epoch"], next_epoch=self.start_epoch, step=self.step)
+            self.sinks.jsonl.write({"kind": "resumed", "from_epoch": state["epoch"], "next_epoch": self.start_epoch,
+                                    "step": self.step})
+            self._repair_best(state)
+
+    def _repair_best(self, state: dict) -> None:
+        # rank 0 may have died between reporting a new best checkpoint and copying it to best/
+        best_dir = os.path.join(self.out_dir, "best")
+        persisted = os.path.join(self.out_dir, f"epoch_{state['epoch']:04d}")
+        if state["best"] and state["best"]["epoch"] == state["epoch"] and os.path.isdir(persisted):
+            current = checkpoints.latest_record(self.out_dir, best_dir)["best"]
+            if current is None or current["epoch"] != state["epoch"]:
+                checkpoints.copy_best(persisted, best_dir)
+
+    def train_epoch(self, epoch: int) -> dict[str, float]:
+        self.model.train()
+        self.train_loader.batch_sampler.set_epoch(epoch)
+        window, epoch_sums = MetricSums(), MetricSums()
+        t_window = t_fetch = time.perf_counter()
+        for i, batch in enumerate(self.train_loader):
+            wait_s = time.perf_counter() - t_fetch
+            _maybe_kill(self.cfg, self.out_dir, epoch, i, self.rank, self.world)
+            tensors = _tensors(batch, self.device)
+            with self.autocast:
+                _draft, loss, step_metrics = self.model(**tensors, **self.kwargs)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.train.max_grad_norm)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            num_tokens = float((tensors["document_ids"] != -1).sum())
+            for sums in (window, epoch_sums):
+                sums.add(_step_metrics(step_metrics), tokens=num_tokens, wait_s=wait_s,
+                         bad_samples=float(batch["error_records"]))
+            if self.step % self.cfg.train.log_every_steps == 0:
+                self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
+                window, t_window = MetricSums(), time.perf_counter()
+            t_fetch = time.perf_counter()
+        return epoch_sums.reduce()
+
+    def _log_window(self, sums: dict[str, float], elapsed_s: float, epoch: int, lr: float) -> None:
+        record = {"epoch": epoch, **summarize(sums, self.cfg.train.ttt_steps, "train_"), "lr": lr,
+                  "tokens_per_s": sums["tokens"] / elapsed_s,
+                  "data_wait_frac": sums["wait_s"] / (elapsed_s * self.world)}
+        self.sinks.emit("train", self.step, record)
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        self.model.eval()
+        sums = MetricSums()
+        for batch in self.val_loader:
+            with self.autocast:
+                _draft, _loss, step_metrics = self.model(**_tensors(batch, self.device), **self.kwargs)
+            sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]))
+        reduced = sums.reduce()
+        return {**summarize(reduced, self.cfg.train.ttt_steps, "val_"), "val_bad_samples": reduced["bad_samples"]}
+
+    def end_epoch(self, epoch: int, train_sums: dict[str, float], val: dict[str, float]) -> None:
+        tc = self.cfg.train
+        record = {"epoch": epoch, **summarize(train_sums, tc.ttt_steps, "train_"), **val,
+                  "train_bad_samples": train_sums["bad_samples"], "train_tokens": train_sums["tokens"]}
+        is_best = checkpoints.is_better(record[tc.best_metric], self.best and self.best["value"], tc.best_mode)
+        if is_best:
+            self.best = {"epoch": epoch, "value": record[tc.best_metric]}
+        self.sinks.emit("validation", self.step, record)
+        state = {"epoch": epoch, "step": self.step, "metrics": record, "best": self.best, "config": self.lc["cfg"]}
+        with tempfile.TemporaryDirectory(prefix="eagle3-ckpt-") as tmp:
+            checkpoint = None
+            if self.rank == 0:
+                checkpoints.save(tmp, self.raw, self.optimizer, self.scheduler, state, self.lc["capture"])
+                checkpoint = Checkpoint.from_directory(tmp)
+            ray.train.report(record, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{epoch:04d}")
+        if self.rank == 0 and is_best:
+            checkpoints.copy_best(os.path.join(self.out_dir, f"epoch_{epoch:04d}"), os.path.join(self.out_dir, "best"))
+
+
+def train_loop(lc: dict) -> None:
+    loop = Loop(lc)
+    loop.restore()
+    for epoch in range(loop.start_epoch, loop.cfg.train.epochs):
+        train_sums = loop.train_epoch(epoch)
+        loop.end_epoch(epoch, train_sums, loop.validate())
