@@ -1,0 +1,67 @@
+"""The CPU-checkable parts of the GPU tooling in bench/gpu: the real-shaped verifier builder and the reference that
+captured hidden states are checked against on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+from check_capture import reference_states  # noqa: E402
+from make_verifier import build, model_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    # vocab 8192 with a 4096-id tokenizer: the same mismatch as the 8B-shaped verifier (128256 vs 4096)
+    return Path(build("tiny", tmp_path_factory.mktemp("verifier") / "tiny", weights=True)["path"])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+
+
+def test_llama3_8b_preset_has_the_real_shape_and_parameter_count(tmp_path):
+    from make_verifier import weight_shapes
+
+    cfg = model_config("llama3-8b", None, None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    num_params = sum(s.numel() for s in weight_shapes(tmp_path).values())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (4096, 32, 128256)
+    assert num_params == 8_030_261_248  # Llama-3.1-8B
+
+
+def test_moe_preset_refuses_random_weights_whose_names_vllm_would_not_load(tmp_path):
+    with pytest.raises(ValueError, match="no-weights"):
+        build("qwen3-30b-a3b", tmp_path / "moe", weights=True)
+
+
+def test_greedy_decoding_of_a_built_verifier_stays_inside_its_small_tokenizer(tiny_dir, tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    assert len(tokenizer) == 4096 and tiny_model.config.vocab_size == 8192
+    ids = torch.tensor([tokenizer.encode("def parse(line):\n    return")])
+    out = tiny_model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    assert int(out.max()) < len(tokenizer)
+    assert bool((tiny_model.lm_head.weight[len(tokenizer):] == 0).all())
+
+
+def test_capture_reference_is_layer_inputs_and_the_last_layer_output_before_the_final_norm(tiny_model):
+    ids = torch.arange(10, 50)
+    layers = tiny_model.config.num_hidden_layers
+    ref = reference_states(tiny_model, ids, [1, 3, layers])  # shape: [T, 3, H]
+    with torch.no_grad():
+        hs = tiny_model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    assert ref.shape == (40, 3, tiny_model.config.hidden_size)
+    torch.testing.assert_close(ref[:, 0], hs[1][0])
+    torch.testing.assert_close(ref[:, 1], hs[3][0])
+    # transformers' last hidden state is after the final norm; the capture contract's id L is before it
+    torch.testing.assert_close(tiny_model.model.norm(ref[:, 2]), hs[layers][0])
