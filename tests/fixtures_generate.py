@@ -90,6 +90,9 @@ def build_generate_output(run_dir: str, verifier_dir: str, *, num_samples: int =
     layer_ids = aux + [num_layers]
     version = storage.version_hash("fixture", verifier_dir, num_samples, max_new_tokens, hidden_states_dtype, seed, aux)
     out_dir = storage.stage_dir(run_dir, "generate", version)
+    if storage.is_complete(out_dir):  # deterministic: a finished copy is reused
+        storage.set_latest(run_dir, "generate", version)
+        return out_dir
     rows, manifest, pending = [], [], {}
     prompts = [[{"role": "user", "content": p}] for p in make_prompts(num_samples, seed)]
     prompt_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -127,3 +130,14 @@ def build_generate_output(run_dir: str, verifier_dir: str, *, num_samples: int =
     storage.mark_complete(out_dir, {"num_samples": num_samples})
     storage.set_latest(run_dir, "generate", version)
     return out_dir
+
+
+def point_generate_at(run_dir: str, gen_dir: str) -> None:
+    """Make another run dir read an existing generate output (generate/LATEST.json names it by path)."""
+    storage.write_json_atomic(storage.join(run_dir, "generate", "LATEST.json"),
+                              {"version": gen_dir.rstrip("/").rsplit("/", 1)[1], "path": gen_dir})
+
+
+def shared_generate_output(tmp_path_factory, verifier_dir: str, **kwargs) -> str:
+    """One generate output per pytest session (built on first use, reused by every module that asks)."""
+    return build_generate_output(str(tmp_path_factory.getbasetemp() / "generate-fixture"), verifier_dir, **kwargs)
