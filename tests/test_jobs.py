@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 RECIPE = "ray_jobs/configs/tiny_cpu.yaml"
 # Lean: few prompts, short responses, small token budgets (several generate units), one epoch, short evaluation.
 LEAN = ["ingest.max_rows=12", "generate.max_tokens=24", "generate.max_batch_tokens=256", "train.epochs=1",
-        "evaluate.num_prompts=4", "evaluate.max_tokens=16", "evaluate.concurrency=[1]"]
+        "evaluate.num_prompts=4", "evaluate.max_tokens=16", "evaluate.concurrency=[1]",
+        # vLLM's default CPU memory check fails on a shared machine: a fixed KV cache, no compile.
+        "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}"]
 
 
 def pipeline_entrypoint(storage_path: Path, name: str, *extra: str) -> list[str]:
