@@ -95,6 +95,7 @@ def finalise(cfg: Config, out: str, ingested: pa.Table, plan_rejects: list[dict]
     storage.write_json_atomic(storage.join(out, "summary.json"), summary)
     storage.write_json_atomic(storage.join(out, "provenance.json"), storage.provenance(
         cfg.to_dict(), input_fingerprint=ingest["version"], ingest_path=ingest["path"], capture=contract))
+    storage.delete(storage.join(out, "_scratch"))  # the engines' per-request files, all read by now
     storage.mark_complete(out, summary)
     telemetry.log("generate", "done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     return summary
