@@ -225,3 +225,28 @@ def run_job(head: RayHead, submission_id: str, entrypoint: list[str], run_dir: P
                      on_poll=lambda _: scraped.extend(metric_samples(head.metrics_text())))
     return FinishedJob(info=info, logs=head.logs(submission_id), run_dir=run_dir, metrics=scraped,
                        elapsed_s=time.monotonic() - start)
+
+
+RECIPE = "ray_jobs/configs/tiny_cpu.yaml"
+# Lean: few prompts, short responses, small token budgets (several generate units), one epoch, short evaluation.
+LEAN = ["ingest.max_rows=12", "generate.max_tokens=24", "generate.max_batch_tokens=256", "train.epochs=1",
+        "evaluate.num_prompts=4", "evaluate.max_tokens=16", "evaluate.concurrency=[1]",
+        # vLLM's default CPU memory check fails on a shared machine: a fixed KV cache, no compile.
+        "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}"]
+
+
+def pipeline_entrypoint(storage_path: Path, name: str, *extra: str) -> list[str]:
+    # The venv's interpreter, not `python`: the entrypoint shell's PATH is the head's, not ours.
+    return [sys.executable, "ray_jobs/pipeline.py", RECIPE, f"run.storage_path={storage_path}", f"run.name={name}",
+            *LEAN, *extra]
+
+
+def latest_path(run_dir: Path, stage: str) -> Path:
+    return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"])
+
+
+@pytest.fixture(scope="session")
+def pipeline_job(ray_head) -> FinishedJob:
+    """The whole tiny pipeline, submitted once per session (the metrics tests read the same run)."""
+    storage_path = ray_head.temp_dir / "runs"
+    return run_job(ray_head, "eagle3-full", pipeline_entrypoint(storage_path, "full"), storage_path / "full")

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers_ray_head import latest_path
+
 pytest_plugins = ["helpers_ray_head"]
 pytestmark = pytest.mark.slow
-
-
-def _latest_path(run_dir: Path, stage: str) -> Path:
-    return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"])
 
 
 def _names(job, stage: str) -> set[str]:
@@ -39,7 +36,7 @@ def test_ingest_row_counters_add_up_to_the_rows_read(pipeline_job):
     for name, labels, value in pipeline_job.metrics:
         if name == "ray_eagle3_ingest_rows_total" and labels.get("run") == "full":
             latest[labels["reason"]] = max(value, latest.get(labels["reason"], 0))
-    summary = json.loads((_latest_path(pipeline_job.run_dir, "ingest") / "summary.json").read_text())
+    summary = json.loads((latest_path(pipeline_job.run_dir, "ingest") / "summary.json").read_text())
     # Rows are counted as ok or by reject code when normalised; duplicates among the ok rows are counted apart.
     assert sum(v for reason, v in latest.items() if reason != "duplicate") == summary["rows_in"]
     assert latest.get("duplicate", 0) == summary["duplicates"]
