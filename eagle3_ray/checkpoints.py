@@ -8,9 +8,10 @@ A checkpoint directory (docs/stages.md, train):
     train_state.json     epoch, global step, RNG states, metrics
     capture.json         the generate stage's capture contract
 
-`Eagle3DraftModel.from_pretrained(dir)` loads such a directory as it is: the missing frozen tensors are in the
-model's `_keys_to_ignore_on_load_missing` and `load_verifier_weights()` fills them from the verifier named in
-config.json. Retention: Ray keeps the last N directories (CheckpointConfig(num_to_keep=N), ordered by report time);
+`Eagle3DraftModel.from_pretrained(dir)` loads such a directory as it is (the missing frozen tensors are in the
+model's `_keys_to_ignore_on_load_missing`; verifier head and norm are refilled from the verifier named in
+config.json), but speculators 0.9.0 leaves `embed_tokens` uninitialized (torch.empty) rather than NaN, so its refill-if-NaN
+check skips it: `load_drafter` below calls from_pretrained and then refills the embeddings from the verifier. Retention: Ray keeps the last N directories (CheckpointConfig(num_to_keep=N), ordered by report time);
 the best one by the validation metric is also copied, weights and config only, to `best/` (complete or absent).
 """
 
@@ -74,6 +75,16 @@ def restore(directory: str, model, optimizer, scheduler) -> dict[str, Any]:
         train_state = json.load(f)
     set_rng_state(train_state["rng"])
     return train_state
+
+
+def load_drafter(directory: str):
+    """A checkpoint (or best/) as a ready Eagle3DraftModel: speculators' from_pretrained plus the verifier's
+    embeddings, which the checkpoint deliberately does not carry."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    model = Eagle3DraftModel.from_pretrained(directory)
+    model._load_verifier_weights(overwrite_embed_tokens=True)  # noqa: SLF001 (speculators' own refill path)
+    return model
 
 
 def is_better(value: float, best: float | None, mode: str) -> bool:
