@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
 from eagle3_ray import checkpoints, data, storage, vocab
 from eagle3_ray.config import Config
-from eagle3_ray.raycluster import ensure_ray
 from eagle3_ray.telemetry import log
+
+# Ray is imported inside the functions that start training: importing this module (e.g. to check data) must not
+# import Ray, which fixes its auth settings from the environment at import time.
 
 # Fields that change how a run is operated, not what it produces: left out of the version so that a resubmitted
 # job with e.g. more allowed failures still resumes the same run.
@@ -76,7 +75,10 @@ def _write_split_and_vocab(out_dir: str, refs: list[data.SampleRef], cfg: Config
     return split
 
 
-def _trainer(cfg: Config, out_dir: str, version: str, loop_config: dict) -> TorchTrainer:
+def _trainer(cfg: Config, out_dir: str, version: str, loop_config: dict):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     from eagle3_ray.train_worker import train_loop
 
     tc = cfg.train
@@ -123,6 +125,10 @@ def _read_metrics(out_dir: str) -> list[dict]:
 
 def run(cfg: Config) -> dict:
     """Train the drafter on the latest generate output; returns the stage summary."""
+    if cfg.train.source == "online":  # the capture pipeline is the dataset (eagle3_ray/online.py)
+        from eagle3_ray import online
+
+        return online.run(cfg)
     ensure_ray(cfg.run)
     gen = storage.latest(cfg.run.run_dir, "generate")
     gen_dir, gen_version = gen["path"], gen["version"]

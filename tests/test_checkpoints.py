@@ -11,12 +11,13 @@ from safetensors import safe_open
 
 from eagle3_ray import checkpoints, storage, vocab
 from eagle3_ray.config import config_from_dict
-from eagle3_ray.train_worker import build_model
 from speculators.models.eagle3 import Eagle3DraftModel
 
 
 @pytest.fixture(scope="module")
 def model_and_capture(tmp_path_factory, tiny_llama):
+    from eagle3_ray.train_worker import build_model  # imports Ray: only after conftest has set its environment
+
     gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
     capture = storage.read_json(f"{gen_dir}/capture.json")
     vocab_dir = str(tmp_path_factory.mktemp("vocab"))
