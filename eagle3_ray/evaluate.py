@@ -43,9 +43,12 @@ class EngineBench:
 
         self.llm = LLM(**engine_args)
 
-    def aux_layer_ids(self) -> list[int] | None:
+    def speculative_info(self) -> dict[str, Any]:
+        """What the engine resolved for the drafter: its architecture and the verifier layers it feeds it."""
         ids = contract.vllm_aux_layer_ids(self.llm)
-        return list(ids) if ids is not None else None
+        spec = self.llm.llm_engine.vllm_config.speculative_config
+        return {"method": spec.method, "architectures": list(spec.draft_model_config.hf_config.architectures),
+                "aux_layer_ids": list(ids) if ids is not None else None}
 
     def _spec_counters(self) -> dict[str, Any]:
         from vllm.v1.metrics.reader import Counter, Vector
@@ -150,26 +153,27 @@ def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> d
     actor_cls = ray.remote(num_cpus=cfg.evaluate.num_cpus_per_engine, num_gpus=cfg.evaluate.num_gpus_per_engine)
     actor = actor_cls(EngineBench).remote(args)
     try:
-        aux = ray.get(actor.aux_layer_ids.remote()) if "speculative_config" in args else None
+        info = ray.get(actor.speculative_info.remote()) if "speculative_config" in args else None
         runs = {c: ray.get(actor.measure.remote(prompts, c, cfg.evaluate.max_tokens)) for c in cfg.evaluate.concurrency}
         ray.get(actor.close.remote())
     finally:
         ray.kill(actor)
-    return {"vllm_aux_layer_ids": aux, "runs": runs}
+    return {"speculative": info, "runs": runs}
 
 
 def measure_all(cfg: Config, verifier_dir: str, drafter_dir: str, token_prompts: list[list[int]],
                 capture: dict[str, Any], capture_where: str) -> dict[str, Any]:
     base = run_engine(cfg, engine_args(cfg, verifier_dir, None, 0), token_prompts)["runs"]
     rows = [report.baseline_row(c, run) for c, run in base.items()]
-    checked = {}
+    infos = {}
     for k in cfg.evaluate.num_speculative_tokens:
         spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), token_prompts)
-        contract.check_vllm_aux_layers(spec["vllm_aux_layer_ids"], capture, capture_where=capture_where)
-        checked[k] = spec["vllm_aux_layer_ids"]
+        infos[k] = spec["speculative"]
+        contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
         rows += [report.spec_row(k, c, run, base[c]) for c, run in spec["runs"].items()]
-        log(STAGE, "measured", num_speculative_tokens=k, vllm_aux_layer_ids=spec["vllm_aux_layer_ids"])
-    return {"rows": rows, "vllm_aux_layer_ids": checked}
+        log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
+    return {"rows": rows, "vllm_speculative": infos,
+            "vllm_aux_layer_ids": {k: info["aux_layer_ids"] for k, info in infos.items()}}
 
 
 def _tokenize(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:

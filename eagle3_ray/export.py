@@ -14,6 +14,11 @@ What is left out and why (vLLM 0.32 `Eagle3LlamaForCausalLM.load_weights` + `_ma
 - `verifier_lm_head`, `verifier_norm`: training-only (they make the targets); never used at inference.
 Kept: `lm_head` (the draft-vocab rows of the verifier head; vLLM only shares the target head when the draft vocab is
 the full vocab), `d2t` (vLLM maps draft ids to target ids with it), `t2d` (vLLM skips it; speculators reads it).
+
+No SGLang layout: SGLang's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) has no `input_norm`
+(speculators' norm_before_fc), keeps the residual before `hidden_norm` (speculators' norm_before_residual) and
+captures `eagle_aux_hidden_state_layer_ids` one layer later than vLLM (`layers_to_capture = [i + 1 ...]`). Renaming
+keys (`layers.0.*` -> `midlayer.*`) would give a drafter that loads and silently mis-predicts.
 """
 
 from __future__ import annotations
@@ -130,10 +135,7 @@ def run(cfg: Config) -> dict[str, Any]:
         (spec_dir / "config.json").write_text(json.dumps(config))
         shapes = write_speculators(load_drafter(ckpt, spec_dir), config, spec_dir, cfg.export.dtype)
         agreed = contract.check_dir(str(spec_dir), capture, verifier_dir, capture_where=capture_where)
-        for fmt in cfg.export.formats:
-            _upload(spec_dir if fmt == "speculators" else _other_format(fmt, spec_dir, Path(tmp)),
-                    storage.join(out_dir, fmt))
-        (Path(tmp) / "capture.json").write_text(json.dumps(capture))
+        _upload(spec_dir, storage.join(out_dir, "speculators"))
         storage.write_bytes_atomic(storage.join(out_dir, "capture.json"), (ckpt / "capture.json").read_bytes())
     summary = {"version": version, "checkpoint": entry, "formats": list(cfg.export.formats), "contract": agreed,
                "tensors": shapes, "speculators_dir": storage.join(out_dir, "speculators"), "verifier_path": verifier_dir}
@@ -146,8 +148,3 @@ def run(cfg: Config) -> dict[str, Any]:
         path=summary["speculators_dir"])
     return summary
 
-
-def _other_format(fmt: str, spec_dir: Path, tmp: Path) -> Path:
-    from eagle3_ray import export_sglang
-
-    return export_sglang.write(spec_dir, tmp / fmt)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-NUM_TRAIN_PROMPTS = 24
+NUM_TRAIN_PROMPTS = 12
 
 
 def _greedy_samples(verifier_dir: str, prompts: list[list[dict]], max_new_tokens: int):
@@ -36,7 +36,7 @@ def _greedy_samples(verifier_dir: str, prompts: list[list[dict]], max_new_tokens
 
 
 def train_tiny_drafter(verifier_dir: str, run_dir: Path, *, aux_layer_ids=(1, 3, 4), num_steps: int = 200,
-                       draft_vocab_size: int = 1024, max_new_tokens: int = 48, seed: int = 0,
+                       draft_vocab_size: int = 1024, max_new_tokens: int = 32, seed: int = 0,
                        num_epochs: int = 1) -> Path:
     """Train a drafter for `num_steps` per epoch (0: untrained), save one checkpoint per epoch with the project's
     checkpoints.save, write train/LATEST.json and a generate/ stand-in naming the training prompts. Returns the
@@ -53,7 +53,9 @@ def train_tiny_drafter(verifier_dir: str, run_dir: Path, *, aux_layer_ids=(1, 3,
     vcfg = AutoConfig.from_pretrained(verifier_dir)
     num_layers = vcfg.num_hidden_layers
     conversations = tiny_prompts(split="train", num_prompts=NUM_TRAIN_PROMPTS, seed=seed)
-    samples = list(_greedy_samples(verifier_dir, [c["messages"] for c in conversations], max_new_tokens))
+    # an untrained drafter needs no data: its draft vocab is then simply the first ids
+    samples = list(_greedy_samples(verifier_dir, [c["messages"] for c in conversations], max_new_tokens)) \
+        if num_steps else []
     freq: dict[int, int] = {}
     for ids, mask, _ in samples:
         for t in ids[mask.bool()].tolist():

@@ -28,7 +28,7 @@ def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama, ray_session):
     """Trained drafter exported (shared with test_export.py), then evaluated once: baseline + k=3 engines."""
-    run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=120, num_epochs=2)
+    run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=60, num_epochs=2)
     export.run(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
                                  "verifier": {"path": tiny_llama}}))
     summary = evaluate.run(make_cfg(run_dir, tiny_llama))
@@ -44,6 +44,7 @@ def spec_rows(results):
 def test_exported_drafter_serves_in_vllm_as_eagle3_with_the_captured_aux_layers(trained):
     results = trained["results"]
     assert results["vllm_aux_layer_ids"] == {"3": [1, 3, 4]} == {"3": results["capture_aux_layer_ids"]}
+    assert results["vllm_speculative"]["3"]["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert all(r["num_drafts"] > 0 and r["num_draft_tokens"] == 3 * r["num_drafts"] for r in spec_rows(results))
 
 

@@ -23,7 +23,7 @@ def make_cfg(run_dir, verifier_dir: str, **export_fields):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_llama):
     """Two epochs of a trained drafter (best = epoch 0, last = epoch 1), shared with test_evaluate.py."""
-    return cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=120, num_epochs=2)
+    return cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=60, num_epochs=2)
 
 
 @pytest.fixture(scope="module")
