@@ -216,14 +216,16 @@ class ExportConfig:
     checkpoint: str = "best"
     """Which checkpoint to export: `best`, `last`, or `epoch=N`."""
     formats: list[Literal["speculators", "sglang"]] = field(default_factory=lambda: ["speculators"])
-    """`speculators`: the config vLLM loads as an eagle3 speculator. `sglang`: the flat EAGLE-3 layout SGLang loads."""
+    """`speculators`: the layout vLLM loads as an eagle3 speculator. `sglang` is refused with the reason (see export.py)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the exported weights."""
 
     def __post_init__(self) -> None:
         ok = self.checkpoint in ("best", "last") or (self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit())
         _check(ok, "export.checkpoint", f"must be 'best', 'last' or 'epoch=N', got {self.checkpoint!r}")
-        _check(len(self.formats) > 0, "export.formats", "needs at least one format")
+        _check(self.formats == ["speculators"], "export.formats",
+               f"only ['speculators'] is written, got {self.formats}: SGLang's EAGLE-3 Llama has no norm_before_fc "
+               "input norm, a different residual and aux layer ids shifted by one (see eagle3_ray/export.py)")
 
 
 @dataclass(kw_only=True, slots=True)
