@@ -129,6 +129,8 @@ def run(cfg: Config) -> dict:
         from eagle3_ray import online
 
         return online.run(cfg)
+    from eagle3_ray.raycluster import ensure_ray
+
     ensure_ray(cfg.run)
     gen = storage.latest(cfg.run.run_dir, "generate")
     gen_dir, gen_version = gen["path"], gen["version"]
