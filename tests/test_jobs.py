@@ -8,6 +8,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
+pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
 from helpers_ray_head import latest_path, pipeline_entrypoint, run_job
 
 pytest_plugins = ["helpers_ray_head"]
