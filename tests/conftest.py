@@ -9,13 +9,17 @@ import secrets
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_env(tmp_path_factory):
-    """Keep Ray's and vLLM's temporary files and caches in the session's temp dir; a fresh token for Ray auth."""
-    base = tmp_path_factory.mktemp("env")
+_ENV: dict[str, str] = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Set the environment before any test module is imported: Ray reads its auth settings when `ray` is first
+    imported, so a fixture would be too late for a test file that imports ray at the top."""
+    base = config._tmp_path_factory.mktemp("env")
     token_path = base / "ray_auth_token"
     token_path.write_text(secrets.token_hex(32))
-    values = {
+    _ENV.update({
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token_path),
         "VLLM_CACHE_ROOT": str(base / "vllm_cache"),
@@ -25,16 +29,15 @@ def _isolated_env(tmp_path_factory):
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
         "TOKENIZERS_PARALLELISM": "false",
-    }
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    })
+    os.environ.update(_ENV)
     os.environ.pop("RAY_ADDRESS", None)
-    yield values
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def _isolated_env() -> dict[str, str]:
+    """The environment set for this session (Ray token auth on, Ray/vLLM/HF files inside pytest's temp dir)."""
+    return dict(_ENV)
 
 
 @pytest.fixture(scope="session")
