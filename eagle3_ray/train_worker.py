@@ -18,7 +18,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.train import Checkpoint
+from ray.train import Checkpoint, CheckpointConsistencyMode
 from transformers import get_cosine_schedule_with_warmup
 
 from speculators.models.eagle3 import Eagle3DraftModel
@@ -264,6 +264,9 @@ class Loop:
                 checkpoints.save(tmp, self.raw, self.optimizer, self.scheduler, state, self.lc["capture"])
                 checkpoint = Checkpoint.from_directory(tmp)
             ray.train.report(record, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{epoch:04d}")
+        # report() returns once the files are uploaded, but the controller registers the checkpoint later; a worker
+        # that died before that would restart from the previous epoch. Wait for registration on every rank.
+        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
         if self.rank == 0 and is_best:
             checkpoints.copy_best(os.path.join(self.out_dir, f"epoch_{epoch:04d}"), os.path.join(self.out_dir, "best"))
 
