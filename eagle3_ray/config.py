@@ -189,6 +189,20 @@ class TrainConfig:
     kill_worker_at: list[int] | None = None
     """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
     itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
+    source: Literal["offline", "online"] = "offline"
+    """Where training samples come from. `offline`: the generate stage's shards on storage. `online`: the capture
+    pipeline itself (eagle3_ray/online.py): the generate section's engine actors stream captured samples straight
+    into the train workers through Ray Data, with no hidden states written (unless `online_cache`); the pipeline then
+    skips the separate generate stage. Nothing else in the recipe changes."""
+    online_cache: bool = False
+    """Online only: also write the first epoch's captures as shards (train/{version}/cache/, generate's format) and
+    train later epochs from them, so the verifier runs once. Off: every epoch regenerates and captures again."""
+    online_max_samples: int | None = None
+    """Online only: capture and train on at most this many ingested conversations (the first N, in ingest order);
+    None: all of them."""
+    online_buffer_bytes: int = 1 << 30
+    """Online only: object-store bytes the stream may hold ahead of the train workers (Ray Data's resource limit);
+    engines pause when the trainers fall behind, so memory stays bounded."""
 
     def __post_init__(self) -> None:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
@@ -206,6 +220,9 @@ class TrainConfig:
                f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}")
         _check(self.loss_implementation in ("auto", "eager", "fused"), "train.loss_implementation",
                f"must be auto, eager or fused, got {self.loss_implementation!r}")
+        _check(self.online_max_samples is None or self.online_max_samples >= 1, "train.online_max_samples",
+               "must be >= 1 or null")
+        _check(self.online_buffer_bytes >= 1 << 20, "train.online_buffer_bytes", "must be >= 1 MiB")
         if self.kill_worker_at is not None:
             _check(len(self.kill_worker_at) == 2 and min(self.kill_worker_at) >= 0, "train.kill_worker_at",
                    f"must be [epoch, step] with both >= 0, got {self.kill_worker_at!r}")

@@ -66,6 +66,9 @@ def run(cfg: Config, stages: list[str] | tuple[str, ...] = STAGES) -> dict[str, 
     """Run `stages` in order in this driver; returns each stage's summary. A failing stage stops the pipeline."""
     ensure_ray(cfg.run)
     stages = list(stages)
+    if cfg.train.source == "online" and "generate" in stages:
+        # online training runs the engines itself, inside the train stage (eagle3_ray/online.py)
+        stages.remove("generate")
     _announce(cfg, stages)
     meter = RateMeter()
     summaries = {stage: _run_stage(cfg, stage) for stage in stages}
