@@ -125,7 +125,7 @@ class GenerateConfig:
     enable_thinking: bool | None = None
     """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template default)."""
     hidden_states_dtype: Literal["bfloat16", "fp8", "float32"] = "bfloat16"
-    """Storage dtype of hidden states. fp8 is e4m3 with one float32 scale per token and layer (about half the bytes).
+    """Storage dtype of hidden states. fp8 is e4m3 with a power-of-two scale per token and layer (half the bytes of bf16).
     float32 stores exactly what an fp32 verifier computed (twice bf16's bytes; for checks against a reference)."""
     shard_max_bytes: int = 1 << 30
     """Upper bound on one safetensors shard's payload; a batch larger than this is split over several shards."""

@@ -35,6 +35,8 @@ from speculators.train.data import CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.recovery import SampleUnavailable
 
+from eagle3_ray import shards
+
 
 @dataclass(slots=True)
 class SampleRef:
@@ -165,7 +167,7 @@ class ShardDataset(Dataset):
         if hs.shape[0] != ref.num_tokens or hs.shape[1] != self.num_aux + 1:
             raise BadSampleError(f"{where}: shape {list(hs.shape)} does not match manifest num_tokens="
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")
-        hs = (hs.float() * scale.unsqueeze(-1)) if scale is not None else hs.float()
+        hs = shards.dequantize_fp8(hs, scale) if scale is not None else hs.float()
         if not torch.isfinite(hs).all():
             raise BadSampleError(f"{where}: hidden states hold non-finite values")
         return hs.to(self.dtype)

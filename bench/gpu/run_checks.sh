@@ -65,6 +65,29 @@ step_capture_bench() {
     "$PY" bench/gpu/capture_bench.py "$verifier" $bench ${E3R_BENCH_ARGS:-} --out "$OUT/capture_bench.json"
 }
 
+step_tp2() {
+    # One replica with tensor parallel 2: a STRICT_PACK placement group of 2 GPU bundles and vLLM's Ray executor.
+    # shellcheck disable=SC2086
+    "$PY" ray_jobs/pipeline.py "$recipe" --stages ingest,generate verifier.path="$verifier" \
+        run.storage_path="$runs" run.name=h200-tp2 ingest.max_rows=64 generate.num_replicas=1 \
+        generate.tensor_parallel_size=2 $extra ${E3R_OVERRIDES:-}
+    "$PY" bench/gpu/check_capture.py "$runs/h200-tp2" --num-samples 2 --out "$OUT/check_capture_tp2.json"
+}
+
+step_train2() {
+    # Two DDP workers, one per GPU, on the data the `generate` step captured; then export and evaluate in vLLM.
+    # shellcheck disable=SC2086
+    "$PY" ray_jobs/pipeline.py "$recipe" --stages train,export,evaluate verifier.path="$verifier" \
+        run.storage_path="$runs" $extra ${E3R_OVERRIDES:-}
+    cp "$runs/$(run_name)"/train/*/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null || true
+    cp "$runs/$(run_name)"/evaluate/*/results.json "$OUT/evaluate_results.json" 2>/dev/null || true
+}
+
+step_train_bench() {
+    # Our training step vs speculators' Trainer on the same synthetic hidden states (total_seq_len 2048 and 8192).
+    "$PY" bench/gpu_train_bench.py --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
+}
+
 [ $# -gt 0 ] || { echo "usage: $0 verifier|generate|check|capture_bench ..." >&2; exit 2; }
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
 for step in "$@"; do
