@@ -1,0 +1,277 @@
+"""Training throughput on one GPU: our train-stage step (eagle3_ray.train_worker's model build + data.py's loader)
+vs speculators' own Trainer (`python3 -m speculators.train`), on the same synthetic hidden states.
+
+    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --out /tmp/train_bench.json   # H200
+    python3 bench/gpu_train_bench.py --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
+
+The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is all Eagle3DraftModel loads from
+`verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
+bench/gpu/make_verifier.py) is reused. Hidden states are random bf16 [T, 4, 4096] (aux 2, 16, 29 + final 32),
+written from the same tensors in both formats: our generate-stage output (shards + manifest + conversations +
+capture.json, docs/stages.md) and speculators' per-sample `hidden_states/hs_{i}.safetensors` + datasets folder.
+Ours is timed in-process (one process, no Ray Train: this measures the step, not Ray startup); speculators' Trainer
+runs as its CLI with --log-freq 1 and its own per-step profile (step_ms, fetch_ms, tokens_per_s) is parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for eagle3_ray
+from eagle3_ray import shards, storage, vocab  # noqa: E402
+
+LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                  hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  torch_dtype="bfloat16")
+TINY = dict(LLAMA31_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096)
+AUX_8B, AUX_TINY = [2, 16, 29], [1, 4, 6]
+
+
+def write_verifier(out: str, shape: dict, device: str) -> str:
+    """config.json + model.safetensors holding only the three tensors the drafter loads (random bf16)."""
+    if os.path.exists(os.path.join(out, "config.json")) and any(
+            f.endswith(".safetensors") for f in os.listdir(out)):
+        return out  # an existing verifier dir (full weights or ours)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(shape, f, indent=1)
+    g = torch.Generator(device=device).manual_seed(0)
+    v, h = shape["vocab_size"], shape["hidden_size"]
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=g, device=device, dtype=torch.bfloat16) * 0.02,
+        "lm_head.weight": torch.randn(v, h, generator=g, device=device, dtype=torch.bfloat16) * 0.02,
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+    }
+    save_file({k: t.cpu().contiguous() for k, t in tensors.items()}, os.path.join(out, "model.safetensors"))
+    return out
+
+
+def make_samples(num_samples: int, min_len: int, max_len: int, num_layers: int, hidden: int, vocab_size: int,
+                 seed: int = 0):
+    """Yields (input_ids [T+1], loss_mask [T+1], hs [T, num_layers, H] bf16); generate mode stores T = len - 1."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(num_samples):
+        t = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(3, vocab_size, (t + 1,), generator=g)
+        mask = torch.ones(t + 1, dtype=torch.long)
+        mask[: t // 4] = 0  # a "prompt" quarter
+        yield ids, mask, torch.randn(t, num_layers, hidden, generator=g).to(torch.bfloat16)
+
+
+def write_both_formats(work: str, verifier: str, shape: dict, aux: list[int], samples) -> tuple[str, str]:
+    """(our generate dir, speculators' data dir) holding the same samples."""
+    gen_dir, spec_dir = os.path.join(work, "generate"), os.path.join(work, "spec_data")
+    layer_ids = aux + [shape["num_hidden_layers"]]
+    manifest, convs, spec_rows, shard = [], [], [], {}
+    os.makedirs(os.path.join(spec_dir, "hidden_states"), exist_ok=True)
+    for i, (ids, mask, hs) in enumerate(samples):
+        t, key, sid = hs.shape[0], f"s{i:06d}", f"sample{i:06d}"
+        shard.update(shards.encode_sample(key, hs, "bfloat16"))
+        name = f"shard-{i // 64:05d}.safetensors"
+        manifest.append({"id": sid, "shard": name, "key": key, "num_tokens": t, "dtype": "bfloat16",
+                         "layer_ids": layer_ids, "hidden_size": hs.shape[2]})
+        convs.append({"id": sid, "input_ids": ids.tolist(), "loss_mask": mask.tolist()})
+        if (i + 1) % 64 == 0:
+            shards.write_shard(os.path.join(gen_dir, "shards", name), shard)
+            shard = {}
+        # speculators: token_ids [T] must equal the dataset row's input_ids [T]
+        save_file({"token_ids": ids[:t].clone(), "hidden_states": hs.contiguous()},
+                  os.path.join(spec_dir, "hidden_states", f"hs_{i}.safetensors"))
+        spec_rows.append({"input_ids": ids[:t].tolist(), "loss_mask": mask[:t].tolist(), "seq_len": t})
+    if shard:
+        shards.write_shard(os.path.join(gen_dir, "shards", manifest[-1]["shard"]), shard)
+    storage.write_parquet_atomic(os.path.join(gen_dir, "manifest.parquet"),
+                                 pa.Table.from_pylist(manifest, schema=shards.MANIFEST_SCHEMA))
+    storage.write_parquet_atomic(os.path.join(gen_dir, "conversations.parquet"), pa.Table.from_pylist(convs))
+    storage.write_json_atomic(os.path.join(gen_dir, "capture.json"), {
+        "aux_layer_ids": aux, "final_layer_id": shape["num_hidden_layers"], "layer_ids": layer_ids,
+        "final_layer_norm": "pre", "hidden_size": shape["hidden_size"],
+        "num_hidden_layers": shape["num_hidden_layers"], "vocab_size": shape["vocab_size"], "verifier_path": verifier,
+        "verifier_architectures": shape["architectures"], "model_dtype": "bfloat16", "hidden_states_dtype": "bfloat16"})
+    _write_spec_dataset(spec_dir, spec_rows)
+    return gen_dir, spec_dir
+
+
+def _write_spec_dataset(spec_dir: str, rows: list[dict]) -> None:
+    from datasets import Dataset
+
+    ds = Dataset.from_list(rows)
+    ds.set_format("torch")  # ArrowDataset compares torch tensors; without this: TypeError in torch.equal
+    ds.save_to_disk(spec_dir)
+
+
+def write_vocabs(work: str, gen_dir: str, spec_dir: str, draft_vocab: int, verifier_vocab: int) -> str:
+    """Our vocab dir and speculators' d2t/t2d .npy from the same counts; returns our vocab dir."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(os.path.join(gen_dir, "conversations.parquet")).to_pylist()
+    counts = vocab.count_tokens((r["input_ids"], r["loss_mask"]) for r in rows)
+    d2t, t2d = vocab.build_vocab(counts, draft_vocab, verifier_vocab)
+    vocab_dir = os.path.join(work, "vocab")
+    vocab.save_vocab(vocab_dir, d2t, t2d, counts)
+    np.save(os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"), d2t.numpy())
+    np.save(os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"), t2d.numpy())
+    return vocab_dir
+
+
+def timed_loop(loader, step_fn, num_steps: int, warmup: int) -> dict:
+    """Runs step_fn(batch) -> num_tokens over epochs until warmup + num_steps; times the last num_steps."""
+    waits, tokens, epoch, done = 0.0, 0.0, 0, 0
+    t_start = None
+    while done < warmup + num_steps:
+        if hasattr(loader.batch_sampler, "set_epoch"):
+            loader.batch_sampler.set_epoch(epoch)
+        t_fetch = time.perf_counter()
+        for batch in loader:
+            wait_s = time.perf_counter() - t_fetch
+            if done == warmup:
+                t_start, waits, tokens = time.perf_counter(), 0.0, 0.0
+            else:
+                waits += wait_s
+            tokens += step_fn(batch)  # step_fn syncs (reads the token count)
+            done += 1
+            if done == warmup + num_steps:
+                break
+            t_fetch = time.perf_counter()
+        epoch += 1
+    elapsed_s = time.perf_counter() - t_start
+    return {"steps": num_steps, "tokens_per_s": tokens / elapsed_s, "step_ms": 1000 * elapsed_s / num_steps,
+            "data_wait_frac": waits / elapsed_s, "tokens_per_step": tokens / num_steps}
+
+
+def make_step(model, optimizer, kwargs: dict, device: torch.device, autocast: bool, max_grad_norm: float = 0.5):
+    """The body of train_worker.Loop.train_epoch's step (forward, backward, clip, AdamW), minus logging/Ray."""
+    def step(batch) -> float:
+        tensors = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _draft, loss, _metrics = model(**tensors, **kwargs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        return float((tensors["document_ids"] != -1).sum())
+    return step
+
+
+def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, use_gpu: bool,
+              num_steps: int, warmup: int, attn_impl: str = "auto", num_loader_workers: int = 1) -> dict:
+    """Our worker's model build (train_worker.build_model), loss kwargs and loaders, one process, no Ray Train."""
+    from eagle3_ray import train_worker
+    from eagle3_ray.config import Config
+
+    cfg = Config()
+    tc = cfg.train
+    tc.use_gpu, tc.total_seq_len, tc.draft_vocab_size, tc.ttt_steps, tc.num_draft_layers = (
+        use_gpu, total_seq_len, draft_vocab, 3, 1)
+    tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
+    capture = json.load(open(os.path.join(gen_dir, "capture.json")))
+    device = torch.device("cuda" if use_gpu else "cpu")
+    torch.manual_seed(0)
+    model = train_worker.build_model(cfg, capture, vocab_dir, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr)
+    lc = {"gen_dir": gen_dir, "capture": capture, "skip_ids": [], "val_ids": []}
+    train_loader, _ = train_worker.make_loaders(cfg, lc, rank=0, world=1)
+    step = make_step(model, optimizer, train_worker.loss_kwargs(cfg), device, autocast=use_gpu)
+    return timed_loop(train_loader, step, num_steps, warmup)
+
+
+PROFILE_RE = re.compile(r"""['"]?(step_ms|fetch_ms|tokens_per_s)['"]?\s*[:=]\s*([0-9.eE+-]+)""")
+
+
+def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_seq_len: int, draft_vocab: int,
+                         num_steps: int, warmup: int, work: str) -> dict:
+    """speculators' Trainer through its CLI; per-step profile lines from its metric logger (log_freq 1)."""
+    cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", verifier, "--data-path", spec_dir,
+           "--target-layer-ids", *map(str, aux), "--draft-vocab-size", str(draft_vocab),
+           "--d2t-path", os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"),
+           "--t2d-path", os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"), "--mask-token-id", "0",
+           "--total-seq-len", str(total_seq_len), "--num-layers", "1", "--ttt-steps", "3",
+           "--loss-implementation", "eager", "--epochs", "100", "--max-steps", str(warmup + num_steps),
+           "--log-freq", "1", "--num-workers", "4", "--save-path", os.path.join(work, f"spec_ckpt_{total_seq_len}")]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall_s = time.perf_counter() - t0
+    log_text = proc.stdout + proc.stderr
+    with open(os.path.join(work, f"speculators_{total_seq_len}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + log_text)
+    if proc.returncode != 0:
+        raise RuntimeError(f"speculators.train exited {proc.returncode}; tail:\n{log_text[-3000:]}")
+    steps: dict[str, list[float]] = {"step_ms": [], "fetch_ms": [], "tokens_per_s": []}
+    for line in log_text.splitlines():
+        for k, v in PROFILE_RE.findall(line):
+            steps[k].append(float(v))
+    timed = {k: v[warmup:] for k, v in steps.items()}
+    if not timed["step_ms"]:
+        raise RuntimeError(f"no step profile in speculators' log ({work}/speculators_{total_seq_len}.log)")
+    step_ms = sum(timed["step_ms"]) / len(timed["step_ms"])
+    return {"steps": len(timed["step_ms"]), "step_ms": step_ms,
+            "tokens_per_s": sum(t * s for t, s in zip(timed["tokens_per_s"], timed["step_ms"])) / sum(timed["step_ms"]),
+            "data_wait_frac": sum(timed["fetch_ms"]) / sum(timed["step_ms"]), "wall_s": wall_s}
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
+              f"{r['data_wait_frac']:>9.2f} {r.get('ratio_vs_speculators', float('nan')):>6.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--verifier", default="/tmp/verifiers/llama3-8b", help="dir to reuse or create")
+    p.add_argument("--work", default="/tmp/train_bench")
+    p.add_argument("--out", required=True, help="JSON results")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--num-samples", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
+    args = p.parse_args()
+    use_gpu = torch.cuda.is_available() and not args.tiny
+    shape, aux = (TINY, AUX_TINY) if args.tiny else (LLAMA31_8B, AUX_8B)
+    draft_vocab = 256 if args.tiny else 32000
+    seq_lens = [128, 256] if args.tiny else args.seq_lens
+    num_samples, min_len, max_len = (24, 20, 60) if args.tiny else (args.num_samples, 256, 2048)
+    os.makedirs(args.work, exist_ok=True)
+    verifier = write_verifier(os.path.join(args.work, "verifier") if args.tiny else args.verifier, shape,
+                              "cuda" if use_gpu else "cpu")
+    t0 = time.perf_counter()
+    samples = make_samples(num_samples, min_len, max_len, len(aux) + 1, shape["hidden_size"], shape["vocab_size"])
+    gen_dir, spec_dir = write_both_formats(args.work, verifier, shape, aux, samples)
+    vocab_dir = write_vocabs(args.work, gen_dir, spec_dir, draft_vocab, shape["vocab_size"])
+    print(f"data: {num_samples} samples in both formats, {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = []
+    for seq_len in seq_lens:
+        ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
+                         num_steps=args.steps, warmup=args.warmup)
+        rows.append({"total_seq_len": seq_len, "impl": "ours (worker step)", **ours})
+        if not use_gpu:
+            print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)
+            continue
+        spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
+                                    num_steps=args.steps, warmup=args.warmup, work=args.work)
+        rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
+        rows[-2]["ratio_vs_speculators"] = ours["tokens_per_s"] / spec["tokens_per_s"]
+    print_table(rows)
+    device = torch.cuda.get_device_name() if use_gpu else "cpu"
+    storage.write_json_atomic(args.out, {"device": device, "torch": torch.__version__, "tiny": args.tiny,
+                                         "num_samples": num_samples, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
