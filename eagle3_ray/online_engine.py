@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 from typing import Any
@@ -56,6 +57,18 @@ def _encode(sample_id: str, hidden_states: torch.Tensor, dtype: str) -> dict[str
     return shards.encode_sample(sample_id, hidden_states, dtype)
 
 
+def _remove_dead_scratch(root: str) -> None:
+    """Capture files left in RAM by engine actors that were killed mid-unit (their pid is in the dir name)."""
+    import glob
+
+    import psutil
+
+    for path in glob.glob(os.path.join(root, "eagle3-online-*-*")):
+        pid = int(os.path.basename(path).split("-")[2])
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class StreamEngine(CaptureEngine):
     """Ray Data actor: CaptureEngine's vLLM engine and turn runner, returning captured samples as rows instead of
     summaries. vLLM's connector hands each capture over through a per-request file: here it lives in /dev/shm (RAM)
@@ -70,7 +83,8 @@ class StreamEngine(CaptureEngine):
         self.cfg = config_from_dict(cfg_dict)
         self.layer_ids, self.cache_dir = layer_ids, cache_dir
         self.out_dir = cache_dir or out_dir  # CaptureEngine writes engines/*.json, shards and parts here
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _remove_dead_scratch(root)
         self.scratch = tempfile.mkdtemp(prefix=f"eagle3-online-{os.getpid()}-", dir=root)
         self.llm = LLM(**engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch))
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path,
@@ -97,6 +111,7 @@ class StreamEngine(CaptureEngine):
         if self.cache_dir:
             self._write_shards(unit_id, records)  # pops _hidden_states from the records
             storage.write_parquet_atomic(part_uri, pa.Table.from_pylist(records, schema=PART_SCHEMA))
+        shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
         rows = [to_row(r["id"], r["input_ids"], r["loss_mask"], encoded[r["id"]]) for r in ok]
         self._count(len(rows), len(records) - len(ok), sum(len(r["input_ids"]) for r in rows))
         return rows
