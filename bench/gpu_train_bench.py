@@ -194,7 +194,7 @@ PROFILE_RE = re.compile(r"""['"]?(step_ms|fetch_ms|tokens_per_s)['"]?\s*[:=]\s*(
 
 
 def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_seq_len: int, draft_vocab: int,
-                         num_steps: int, warmup: int, work: str) -> dict:
+                         num_steps: int, warmup: int, work: str, num_loader_workers: int) -> dict:
     """speculators' Trainer through its CLI; per-step profile lines from its metric logger (log_freq 1)."""
     cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", verifier, "--data-path", spec_dir,
            "--target-layer-ids", *map(str, aux), "--draft-vocab-size", str(draft_vocab),
@@ -202,9 +202,11 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
            "--t2d-path", os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"), "--mask-token-id", "0",
            "--total-seq-len", str(total_seq_len), "--num-layers", "1", "--ttt-steps", "3",
            "--loss-implementation", "eager", "--epochs", "100", "--max-steps", str(warmup + num_steps),
-           "--log-freq", "1", "--num-workers", "4", "--save-path", os.path.join(work, f"spec_ckpt_{total_seq_len}")]
+           "--log-freq", "1", "--num-workers", str(num_loader_workers),
+           "--save-path", os.path.join(work, f"spec_ckpt_{total_seq_len}")]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # its rich console handler wraps at the terminal width; wide lines keep each key=value intact
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
     wall_s = time.perf_counter() - t0
     log_text = proc.stdout + proc.stderr
     with open(os.path.join(work, f"speculators_{total_seq_len}.log"), "w") as f:
@@ -227,6 +229,9 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
 def print_table(rows: list[dict]) -> None:
     print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'ratio':>6}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['total_seq_len']:>8} {r['impl']:<22} FAILED (see JSON / log)")
+            continue
         print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
               f"{r['data_wait_frac']:>9.2f} {r.get('ratio_vs_speculators', float('nan')):>6.2f}")
 
@@ -240,6 +245,7 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--loader-workers", type=int, default=4, help="DataLoader workers, both sides")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
     args = p.parse_args()
     use_gpu = torch.cuda.is_available() and not args.tiny
@@ -258,13 +264,19 @@ def main() -> None:
     rows = []
     for seq_len in seq_lens:
         ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
-                         num_steps=args.steps, warmup=args.warmup)
+                         num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers)
         rows.append({"total_seq_len": seq_len, "impl": "ours (worker step)", **ours})
         if not use_gpu:
             print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)
             continue
-        spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
-                                    num_steps=args.steps, warmup=args.warmup, work=args.work)
+        try:
+            spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
+                                        num_steps=args.steps, warmup=args.warmup, work=args.work,
+                                        num_loader_workers=args.loader_workers)
+        except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
+            print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
+            rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})
+            continue
         rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
         rows[-2]["ratio_vs_speculators"] = ours["tokens_per_s"] / spec["tokens_per_s"]
     print_table(rows)
