@@ -36,7 +36,7 @@ def recipe(work: str, mode: str, verifier: str, num_samples: int, epochs: int) -
         "generate": {"max_tokens": 64, "max_batch_tokens": 2048,
                      "engine_kwargs": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 32}},
         "train": {"num_workers": 2, "epochs": epochs, "total_seq_len": 512, "draft_vocab_size": 1024,
-                  "log_every_steps": 5, "val_fraction": 0.1, **MODES[mode]},
+                  "log_every_steps": 5, "val_fraction": 0.2, **MODES[mode]},
     }
 
 
