@@ -2,8 +2,8 @@
 
 generate mode, one request per user turn, all samples of a unit batched per round:
     round r: prompt = chat_template(history + user turn r, generation prompt) -> the verifier answers -> history
-    Only the last turn's request captures (include_output_tokens), and it already holds the whole conversation:
-    capture costs no pass beyond the generation itself. Stored tokens, with n = len(input_ids):
+    Only the last turn's capture is kept (include_output_tokens), and it already holds the whole conversation:
+    capture costs no pass beyond the generation itself; earlier turns' captures are discarded. Stored tokens, with n = len(input_ids):
         input_ids  [p0 p1 ... p(m-1) | r0 r1 ... r(k-1)]      m prompt tokens (earlier turns inside), k response
         hidden     [h0 h1 ... h(m-1) | g0 ... g(k-2)]        T = n - 1: the last response token is never fed back
 capture_only mode: one prefill request (max_tokens=1) over the templated conversation; T = n.
@@ -95,7 +95,7 @@ class TurnRunner:
         return {"id": s["id"], "unit_id": self.unit_id, "status": "ok", "messages": s["messages"],
                 "source": s.get("source"), "_turns": user_turns(s["messages"]), "_history": []}
 
-    def _params(self, r: dict[str, Any], turn: int, prompt_len: int, capture: bool, max_tokens: int):
+    def _params(self, r: dict[str, Any], turn: int, prompt_len: int, max_tokens: int):
         from vllm import SamplingParams
 
         gen = self.cfg.generate
@@ -103,7 +103,7 @@ class TurnRunner:
         r["_path"] = path
         return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, seed=request_seed(self.cfg.run.seed, r["id"], turn),
                               max_tokens=min(max_tokens, self.max_model_len - prompt_len),
-                              extra_args={"kv_transfer_params": {"hidden_states_path": path, "capture": capture,
+                              extra_args={"kv_transfer_params": {"hidden_states_path": path,
                                                                  "include_output_tokens": gen.mode == "generate"}})
 
     def _fits(self, r: dict[str, Any], prompt: list[int]) -> bool:
@@ -124,7 +124,7 @@ class TurnRunner:
                 prompt = self.encoder.encode(r["_history"], True)
                 if self._fits(r, prompt):
                     last = turn == len(r["_turns"]) - 1
-                    params.append(self._params(r, turn, len(prompt), last, self.cfg.generate.max_tokens))
+                    params.append(self._params(r, turn, len(prompt), self.cfg.generate.max_tokens))
                     prompts.append({"prompt_token_ids": prompt})
                     batch.append((r, prompt, last))
             for (r, prompt, last), out in zip(batch, self.generate_fn(prompts, params)):
@@ -132,6 +132,8 @@ class TurnRunner:
                 r["_history"].append({"role": "assistant", "content": completion.text})
                 if last:
                     self._finish_generated(r, prompt, list(completion.token_ids), completion.finish_reason)
+                else:
+                    discard_capture(r["_path"])
             turn += 1
 
     def _finish_generated(self, r: dict[str, Any], prompt: list[int], response: list[int], finish: str) -> None:
@@ -147,7 +149,7 @@ class TurnRunner:
             if self._fits(r, ids):
                 r.update(input_ids=ids, loss_mask=loss_mask(self.encoder.assistant_spans(r["messages"]), len(ids)),
                          finish_reason="capture_only", _num_captured=len(ids))
-                params.append(self._params(r, 0, len(ids), True, 1))
+                params.append(self._params(r, 0, len(ids), 1))
                 prompts.append({"prompt_token_ids": ids})
                 batch.append(r)
         self.generate_fn(prompts, params)
@@ -168,6 +170,17 @@ class TurnRunner:
                  num_prompt_tokens=len(r["input_ids"]) - num_response)
         for k in [k for k in r if k.startswith("_") and k != "_hidden_states"]:
             del r[k]
+
+
+def discard_capture(path: str) -> None:
+    """Delete an earlier turn's capture once its writer is done: only the final turn's conversation is stored."""
+    import fcntl
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
+
+    with open(path + ".lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the writer releases its exclusive lock
+    cleanup_hidden_states(path)
 
 
 def _reject(r: dict[str, Any], reason: str, detail: str) -> None:

@@ -5,8 +5,9 @@ memory; on the CPU build that dies at the first finished request (`pin_memory=Tr
 This subclass keeps everything else (custom save paths, `include_output_tokens`, the flock protocol readers wait
 on) and, when the cache lives on the CPU, copies the rows synchronously. On GPU the parent's async path runs.
 
-It also lets a request opt out of capture (`kv_transfer_params.capture = False`): turn-by-turn regeneration of
-multi-turn conversations only needs the hidden states of the final, complete conversation.
+Every request captures: a request that opted out (freeing its blocks at once) was still reported as sent by the
+worker side, which vLLM 0.24's scheduler asserts on (`req_id in self.requests`) on GPU. Turn-by-turn regeneration
+discards the captures of earlier turns instead (chat.discard_capture).
 
 Loaded by vLLM's worker processes through
     kv_transfer_config={"kv_connector": "CaptureConnector", "kv_connector_module_path": "eagle3_ray.connector", ...}
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -61,12 +61,3 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
-        if params.get("capture", True) is False:
-            # Free the blocks at once and write nothing; the lock file pre-created for this request is closed by
-            # get_finished's clean-up of unsent requests.
-            self._request_filenames.pop(request.request_id, None)
-            return False, None
-        return super().request_finished(request, block_ids)

@@ -75,12 +75,11 @@ step_tp2() {
 }
 
 step_train2() {
-    # Two DDP workers, one per GPU, on the data the `generate` step captured; then export and evaluate in vLLM.
+    # Two DDP workers, one per GPU, on the data the `generate` step captured; then export for vLLM.
     # shellcheck disable=SC2086
-    "$PY" ray_jobs/pipeline.py "$recipe" --stages train,export,evaluate verifier.path="$verifier" \
+    "$PY" ray_jobs/pipeline.py "$recipe" --stages train,export verifier.path="$verifier" \
         run.storage_path="$runs" $extra ${E3R_OVERRIDES:-}
     cp "$runs/$(run_name)"/train/*/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null || true
-    cp "$runs/$(run_name)"/evaluate/*/results.json "$OUT/evaluate_results.json" 2>/dev/null || true
 }
 
 step_train_bench() {
