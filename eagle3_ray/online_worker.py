@@ -28,8 +28,8 @@ from eagle3_ray import data, shards, storage
 from eagle3_ray.config import config_from_dict
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
-from eagle3_ray.train_worker import Loop, MetricSums, Sinks, _step_metrics, _tensors, build_model, loss_kwargs, \
-    make_loaders, summarize
+from eagle3_ray.train_worker import Loop, MetricSums, Sinks, _step_metrics, _tensors, build_model, collective_device, \
+    loss_kwargs, make_loaders, summarize
 
 
 def stream_sample(row: dict, num_aux: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | SampleUnavailable:
@@ -102,6 +102,7 @@ class StreamBatches:
     def _any_rank_has(self, has_batch: bool) -> bool:
         flag = torch.tensor([int(has_batch)])
         if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = flag.to(collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -76,6 +76,13 @@ def make_loaders(cfg: Config, lc: dict, rank: int, world: int):
     return loaders[0], loaders[1]
 
 
+def collective_device() -> torch.device:
+    """Where tensors for a collective must live: NCCL only reduces CUDA tensors, gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class MetricSums:
     """speculators' `{name}_sum` / `{name}_total` metrics summed over steps (and ranks), normalized on read."""
 
@@ -92,7 +99,7 @@ class MetricSums:
         """Sum across ranks (every rank must call this at the same point)."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             keys = sorted(self.sums)
-            t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
+            t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=collective_device())
             dist.all_reduce(t)
             return dict(zip(keys, t.tolist(), strict=True))
         return dict(self.sums)
