@@ -261,7 +261,8 @@ class EvaluateConfig:
     min_acceptance_length: float | None = None
     """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
     require_identical_outputs: bool = True
-    """Gate: greedy outputs with the drafter must equal those without it (speculation must not change results)."""
+    """Gate: at concurrency 1, greedy outputs with the drafter must equal those without it (speculation must not change
+    results). Batched runs report their differences next to plain decoding's own batch-to-batch differences."""
     report_only: bool = False
     """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay).
     A draft length passes when all its concurrency levels meet the thresholds; the drafter passes when one does."""

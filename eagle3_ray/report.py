@@ -34,7 +34,10 @@ def _mismatches(base: list[list[int]], spec: list[list[int]]) -> list[dict[str, 
     return found
 
 
-def spec_row(k: int, concurrency: int, run: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def spec_row(k: int, concurrency: int, run: dict[str, Any], base: dict[str, Any],
+             base_lowest: dict[str, Any]) -> dict[str, Any]:
+    """`base`: plain decoding at the same concurrency; `base_lowest`: plain decoding at the lowest concurrency, whose
+    difference from `base` shows how much batching alone moves greedy outputs."""
     s = run["spec"]
     drafts = max(s["num_drafts"], 1)
     mismatches = _mismatches(base["outputs"], run["outputs"])
@@ -45,7 +48,8 @@ def spec_row(k: int, concurrency: int, run: dict[str, Any], base: dict[str, Any]
             "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1),
             "mean_acceptance_length": 1.0 + s["num_accepted_tokens"] / drafts,
             "acceptance_per_position": [a / drafts for a in s["accepted_per_pos"]],
-            "num_outputs": len(run["outputs"]), "num_mismatched_outputs": len(mismatches), "mismatches": mismatches}
+            "num_outputs": len(run["outputs"]), "num_mismatched_outputs": len(mismatches), "mismatches": mismatches,
+            "num_baseline_batch_mismatches": len(_mismatches(base_lowest["outputs"], base["outputs"]))}
 
 
 def summary_table(results: dict[str, Any]) -> str:
