@@ -50,14 +50,16 @@ def test_export_writes_bf16_speculators_drafter_without_optimizer_or_frozen_veri
 
 def test_exported_drafter_loads_in_speculators_with_the_checkpoint_weights(exported, run_dir, tiny_llama):
     from safetensors.torch import load_file
-    from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoModelForCausalLM
 
-    model = Eagle3DraftModel.from_pretrained(exported["speculators_dir"])
+    from eagle3_ray.checkpoints import load_drafter
+
+    # speculators' from_pretrained, then its own refill of the embeddings from the verifier named in config.json
+    # (from_pretrained alone leaves weights absent from the file uninitialised)
+    model = load_drafter(exported["speculators_dir"])
     ckpt = load_file(f"{exported['checkpoint']['path']}/model.safetensors")
     assert torch.equal(model.fc.weight.to(torch.bfloat16), ckpt["fc.weight"].to(torch.bfloat16))
     verifier = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    # embeddings come back from the verifier named in config.json, not from the export
     assert torch.equal(model.embed_tokens.weight.float(), verifier.model.embed_tokens.weight.float())
     assert model.config.eagle_aux_hidden_state_layer_ids == [1, 3, 4]
 

@@ -20,7 +20,7 @@ from eagle3_ray import shards, storage
 from eagle3_ray.config import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate_fixtures import conversations, write_ingest  # noqa: E402
+from ingest_fixtures import conversations, write_ingest  # noqa: E402
 
 
 

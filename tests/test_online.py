@@ -14,7 +14,7 @@ from eagle3_ray import storage
 from eagle3_ray.config import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
-from generate_fixtures import conversations, write_ingest  # noqa: E402
+from ingest_fixtures import conversations, write_ingest  # noqa: E402
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 16}
 
