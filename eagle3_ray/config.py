@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.storage_path), "run.storage_path", "must not be empty")
+        if "://" not in self.storage_path:
+            # Ray Train parses a storage path as a URI: a relative one has no scheme and fails. Anchor local paths
+            # where the command runs, which is also where a user looks for `runs/`.
+            self.storage_path = os.path.abspath(self.storage_path)
         _check(bool(self.name) and "/" not in self.name, "run.name", f"must be a non-empty name without '/', got {self.name!r}")
 
     @property
