@@ -121,10 +121,10 @@ def _read_rows(uri: str) -> list[dict[str, Any]]:
     raise ValueError(f"evaluate.prompts={uri!r}: must be a .jsonl or .parquet file")
 
 
-def check_held_out(prompts: list[dict[str, Any]], run_dir: str) -> dict[str, Any]:
-    """Refuse prompts the drafter was trained on: same conversation id or same user text as a row of the generate
-    stage's conversations (the training data)."""
-    latest = storage.latest(run_dir, "generate")
+def check_held_out(prompts: list[dict[str, Any]], run_dir: str, train_source: str = "offline") -> dict[str, Any]:
+    """Refuse prompts the drafter was trained on: same conversation id or same user text as a row of the training
+    data: the generate stage's conversations, or in online mode (no generate stage) the ingested ones."""
+    latest = storage.latest(run_dir, "ingest" if train_source == "online" else "generate")
     table = storage.read_parquet(storage.join(latest["path"], "conversations.parquet"), columns=["id", "messages"])
     train_ids = set(table.column("id").to_pylist())
     train_texts = {m["content"] for msgs in table.column("messages").to_pylist() for m in msgs if m["role"] == "user"}
@@ -133,7 +133,7 @@ def check_held_out(prompts: list[dict[str, Any]], run_dir: str) -> dict[str, Any
     if overlap:
         raise ValueError(f"{len(overlap)} evaluation prompt(s) were in the training data "
                          f"({latest['path']}/conversations.parquet), e.g. ids {overlap[:5]}: evaluate on held-out prompts")
-    return {"num_train_conversations": len(train_ids), "generate_version": latest.get("version")}
+    return {"num_train_conversations": len(train_ids), "training_data_version": latest.get("version")}
 
 
 def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_speculative_tokens: int) -> dict:
@@ -194,7 +194,7 @@ def run(cfg: Config) -> dict[str, Any]:
     capture = storage.read_json(capture_where)
     verifier_dir = resolve_verifier_path(cfg.verifier.path, run_dir, cfg.verifier.dtype)
     prompts = load_prompts(cfg)
-    held_out = check_held_out(prompts, run_dir)
+    held_out = check_held_out(prompts, run_dir, cfg.train.source)
     measured = {k: v for k, v in cfg.to_dict()["evaluate"].items() if k not in GATE_FIELDS}
     version = storage.version_hash(measured, export_latest["version"], verifier_dir, [p["id"] for p in prompts],
                                    cfg.verifier.dtype, cfg.verifier.max_model_len, cfg.run.seed)

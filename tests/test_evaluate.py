@@ -135,3 +135,20 @@ def test_prompts_seen_in_training_are_refused(trained, tiny_llama, tmp_path):
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(ValueError, match=r"1 evaluation prompt\(s\) were in the training data"):
         evaluate.run(make_cfg(trained["run_dir"], tiny_llama, prompts=str(prompts)))
+
+
+def test_online_runs_check_held_out_prompts_against_the_ingested_conversations(tmp_path):
+    import pyarrow as pa
+
+    from eagle3_ray.evaluate import check_held_out
+
+    run_dir = str(tmp_path / "run")
+    ingest_dir = storage.stage_dir(run_dir, "ingest", "v1")
+    messages = [[{"role": "user", "content": "write a parser"}]]
+    storage.write_parquet_atomic(storage.join(ingest_dir, "conversations.parquet"),
+                                 pa.table({"id": ["a1"], "messages": messages}))
+    storage.set_latest(run_dir, "ingest", "v1")
+    held_out = [{"id": "b2", "messages": [{"role": "user", "content": "sort a list"}]}]
+    assert check_held_out(held_out, run_dir, "online")["num_train_conversations"] == 1
+    with pytest.raises(ValueError, match="in the training data"):
+        check_held_out([{"id": "c3", "messages": messages[0]}], run_dir, "online")
