@@ -260,9 +260,10 @@ class EvaluateConfig:
     """Draft lengths to evaluate; each is a separate vLLM run."""
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     """Concurrent requests (batch sizes) to measure throughput at."""
-    min_speedup: float | dict[int, float] | None = None
+    min_speedup: float | dict[int, float] | None = 1.0
     """Gate: minimum output tokens/s with the drafter / without it. A number applies at every concurrency; a mapping
-    `{concurrency: minimum}` sets it per concurrency (levels not named are not gated)."""
+    `{concurrency: minimum}` sets it per concurrency (levels not named are not gated); null: no speed requirement.
+    The default fails a drafter that makes decoding slower."""
     min_acceptance_length: float | None = None
     """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
     require_identical_outputs: bool = True
