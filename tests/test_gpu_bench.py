@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
-from check_capture import reference_states  # noqa: E402
+from check_capture import bad_tokens, reference_states  # noqa: E402
 from make_verifier import build, model_config  # noqa: E402
 
 
@@ -65,3 +65,14 @@ def test_capture_reference_is_layer_inputs_and_the_last_layer_output_before_the_
     torch.testing.assert_close(ref[:, 1], hs[3][0])
     # transformers' last hidden state is after the final norm; the capture contract's id L is before it
     torch.testing.assert_close(tiny_model.model.norm(ref[:, 2]), hs[layers][0])
+
+
+def test_capture_check_names_the_tokens_that_hold_another_positions_state(tiny_model):
+    ref = reference_states(tiny_model, torch.arange(10, 74), [1, 3])  # [64, 2, H]
+    stored = ref.clone()
+    stored[48:64] = ref[16:32]  # the last block holds an earlier block's states (what a reused block would show)
+    stored[5] += 1e-3 * ref[5]  # rounding-sized noise is not flagged
+    found = bad_tokens(stored, ref)
+    assert found["count"] == 16 and (found["first"], found["last"]) == (48, 63)
+    assert found["best_match_offsets"] == [-32] * 16 and max(found["best_match_rel_error"]) < 1e-4
+    assert bad_tokens(ref, ref) == {"count": 0}
