@@ -63,7 +63,7 @@ def bad_tokens(stored: torch.Tensor, ref: torch.Tensor, threshold: float = 0.25)
     bad = torch.nonzero(per_token > threshold).flatten()
     if bad.numel() == 0:
         return {"count": 0}
-    distance = torch.cdist(s[bad], r)  # [bad, T]
+    distance = torch.cdist(s[bad], r, compute_mode="donot_use_mm_for_euclid_dist")  # [bad, T]
     best = distance.argmin(dim=-1)
     match = distance.gather(1, best[:, None]).flatten() / r[best].norm(dim=-1).clamp_min(1e-6)
     offsets = (best - bad).tolist()
