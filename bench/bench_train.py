@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_train_bench as gb  # noqa: E402
 
-from eagle3_ray import shards, storage  # noqa: E402
+from eagle3_ray import storage  # noqa: E402
 
 
 def to_speculators_format(gen_dir: str, spec_dir: str) -> None:

@@ -53,10 +53,38 @@ def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch
                                                           "allow_custom_save_path": True}},
     )
     if gen.tensor_parallel_size > 1:
-        # Workers are Ray actors inside the replica's placement group (captured from the engine actor).
-        kwargs["distributed_executor_backend"] = "ray"
+        # GPU: workers are Ray actors inside the replica's placement group (captured from the engine actor). vLLM's
+        # CPU build refuses the Ray executor ("current platform cpu does not support ray"): its TP workers are
+        # processes of the engine actor, which still holds the replica's placement group.
+        kwargs["distributed_executor_backend"] = "mp" if _cpu_platform() else "ray"
     kwargs.update(gen.engine_kwargs)
     return kwargs
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for TP workers of the CPU build: the allowed CPUs cut into one contiguous range
+    per rank (vLLM's own "auto" wants one NUMA node per rank and asserts on a one-node machine); "nobind" when there
+    are fewer CPUs than ranks."""
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    per_rank = len(cpus) // tensor_parallel_size
+    groups = [cpus[r * per_rank:(r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    groups[-1] += cpus[tensor_parallel_size * per_rank:]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def prepare_engine_env(cfg: Config) -> None:
+    """Environment the engine's own processes inherit; call right before `vllm.LLM`. A binding set by the user (or
+    the job's runtime_env) is kept."""
+    tp = cfg.generate.tensor_parallel_size
+    if tp > 1 and _cpu_platform() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
 
 
 def _scratch_dir(out_dir: str) -> str:
@@ -82,6 +110,7 @@ class CaptureEngine:
         self.layer_ids, self.out_dir = layer_ids, out_dir
         self.scratch = _scratch_dir(out_dir)
         args = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch)
+        prepare_engine_env(self.cfg)
         try:
             self.llm = LLM(**args)
         except Exception as e:  # surfaced by the driver as the stage's error

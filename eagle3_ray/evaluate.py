@@ -23,7 +23,7 @@ from typing import Any
 from eagle3_ray import contract, report, storage
 from eagle3_ray.config import Config
 from eagle3_ray.telemetry import log
-from eagle3_ray.tiny_verifier import resolve_verifier_path
+from eagle3_ray import tiny_verifier
 
 STAGE = "evaluate"
 GATE_FIELDS = ("min_speedup", "min_acceptance_length", "report_only", "require_identical_outputs")
@@ -192,7 +192,7 @@ def run(cfg: Config) -> dict[str, Any]:
     export_dir = export_latest["path"]
     capture_where = storage.join(export_dir, "capture.json")
     capture = storage.read_json(capture_where)
-    verifier_dir = resolve_verifier_path(cfg.verifier.path, run_dir, cfg.verifier.dtype)
+    verifier_dir = tiny_verifier.verifier_dir(cfg)
     prompts = load_prompts(cfg)
     held_out = check_held_out(prompts, run_dir, cfg.train.source)
     measured = {k: v for k, v in cfg.to_dict()["evaluate"].items() if k not in GATE_FIELDS}

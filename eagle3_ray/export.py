@@ -33,7 +33,7 @@ import torch
 from eagle3_ray import contract, storage
 from eagle3_ray.config import Config
 from eagle3_ray.telemetry import log
-from eagle3_ray.tiny_verifier import resolve_verifier_path
+from eagle3_ray import tiny_verifier
 
 STAGE = "export"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "capture.json")
@@ -113,7 +113,7 @@ def run(cfg: Config) -> dict[str, Any]:
     run_dir = cfg.run.run_dir
     train_latest = storage.latest(run_dir, "train")
     entry = pick_checkpoint(train_latest, cfg.export.checkpoint)
-    verifier_dir = resolve_verifier_path(cfg.verifier.path, run_dir, cfg.verifier.dtype)
+    verifier_dir = tiny_verifier.verifier_dir(cfg)
     version = storage.version_hash(cfg.to_dict()["export"], entry["path"], train_latest.get("version"), verifier_dir)
     out_dir = storage.stage_dir(run_dir, STAGE, version)
     if storage.is_complete(out_dir):

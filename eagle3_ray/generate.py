@@ -22,7 +22,7 @@ from eagle3_ray import storage, telemetry
 from eagle3_ray.config import Config
 from eagle3_ray.generate_output import capture_contract, clean_orphans, committed_ids, finalise
 from eagle3_ray.raycluster import ensure_ray
-from eagle3_ray.tiny_verifier import resolve_verifier_path
+from eagle3_ray.tiny_verifier import verifier_dir
 
 STAGE = "generate"
 # Fields that change how fast, not what is written: a new replica count resumes the same version.
@@ -106,8 +106,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if storage.is_complete(out):
         telemetry.log(STAGE, "already_complete", path=out)
         return storage.read_json(storage.join(out, "summary.json"))
-    local_run_dir = run_dir if "://" not in run_dir else "/tmp/eagle3-verifiers"
-    verifier_path = resolve_verifier_path(cfg.verifier.path, local_run_dir, cfg.verifier.dtype)
+    verifier_path = verifier_dir(cfg)
     contract = capture_contract(cfg, verifier_path)
     storage.write_json_atomic(storage.join(out, "capture.json"), contract)
 

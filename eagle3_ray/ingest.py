@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import tempfile
 from collections import Counter
 from typing import Any
 
@@ -23,11 +21,11 @@ import ray
 
 from eagle3_ray import ingest_formats as formats
 from eagle3_ray import storage
-from eagle3_ray.config import Config, RunConfig
+from eagle3_ray.config import Config
 from eagle3_ray.prompts import tiny_prompts
 from eagle3_ray.raycluster import ensure_ray
 from eagle3_ray.telemetry import RateMeter, log, metrics
-from eagle3_ray.tiny_verifier import resolve_verifier_path
+from eagle3_ray.tiny_verifier import verifier_dir
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 # Raw rows: where a row came from (file_order, row: the sort key of "source order") and the row as ASCII JSON.
@@ -49,7 +47,7 @@ def run(cfg: Config) -> dict[str, Any]:
     """Ingest `cfg.ingest.inputs`; return the summary (also written to summary.json)."""
     inputs = _check_inputs(cfg.ingest.inputs)
     files = [f for group in inputs for f in group]
-    verifier_path = resolve_verifier_path(cfg.verifier.path, local_run_dir(cfg.run), cfg.verifier.dtype)
+    verifier_path = verifier_dir(cfg)
     _check_tokenizer(verifier_path, cfg.verifier.trust_remote_code)
     fingerprint = storage.version_hash(*[_fingerprint(f) for f in files])
     section = {k: v for k, v in cfg.to_dict()["ingest"].items() if k != "num_workers"}
@@ -73,15 +71,6 @@ def run(cfg: Config) -> dict[str, Any]:
     log("ingest", "done", **{k: summary[k] for k in ("rows_in", "rows_ok", "rows_rejected", "duplicates",
                                                        "rows_per_s", "elapsed_s")}, path=out_dir)
     return summary
-
-
-def local_run_dir(run: RunConfig) -> str:
-    """A local folder for things that must be local files (the tiny verifier): the run dir itself when local."""
-    if run.run_dir.startswith("file://"):
-        return run.run_dir[len("file://"):]
-    if "://" in run.run_dir:
-        return os.path.join(tempfile.gettempdir(), "eagle3_ray", run.name)
-    return run.run_dir
 
 
 def _check_inputs(inputs: list[str]) -> list[list[formats.InputFile]]:

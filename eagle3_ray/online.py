@@ -161,7 +161,7 @@ def run(cfg: Config) -> dict[str, Any]:
     import ray
 
     from eagle3_ray.generate_output import capture_contract
-    from eagle3_ray.tiny_verifier import resolve_verifier_path
+    from eagle3_ray.tiny_verifier import verifier_dir
     from eagle3_ray.train import _finish
 
     ensure_ray(cfg.run)
@@ -172,8 +172,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if storage.is_complete(out_dir):
         log(STAGE, "already_complete", version=version, path=out_dir, source="online")
         return storage.read_json(storage.join(out_dir, "summary.json"))
-    local_run_dir = run_dir if "://" not in run_dir else "/tmp/eagle3-verifiers"
-    verifier_path = resolve_verifier_path(cfg.verifier.path, local_run_dir, cfg.verifier.dtype)
+    verifier_path = verifier_dir(cfg)
     capture = capture_contract(cfg, verifier_path)
     rows, units, rejects, costs, encoder = _plan(cfg, ingest, verifier_path)
     storage.makedirs(out_dir)

@@ -22,7 +22,7 @@ import torch
 
 from eagle3_ray import chat, shards, storage, telemetry
 from eagle3_ray.config import config_from_dict
-from eagle3_ray.engine import PART_SCHEMA, CaptureEngine, _exit_when_engine_dies, engine_kwargs
+from eagle3_ray.engine import PART_SCHEMA, CaptureEngine, _exit_when_engine_dies, engine_kwargs, prepare_engine_env
 
 ROW_COLUMNS = ("id", "input_ids", "loss_mask", "hs", "scale", "hs_dtype")
 
@@ -86,6 +86,7 @@ class StreamEngine(CaptureEngine):
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _remove_dead_scratch(root)
         self.scratch = tempfile.mkdtemp(prefix=f"eagle3-online-{os.getpid()}-", dir=root)
+        prepare_engine_env(self.cfg)
         self.llm = LLM(**engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch))
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path,
                                                        trust_remote_code=self.cfg.verifier.trust_remote_code)

@@ -18,18 +18,15 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from transformers import get_cosine_schedule_with_warmup
 
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
 from speculators.train.recovery import SampleUnavailable
 
 from eagle3_ray import data, shards, storage
-from eagle3_ray.config import config_from_dict
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
-from eagle3_ray.train_worker import Loop, MetricSums, Sinks, _step_metrics, _tensors, build_model, collective_device, \
-    loss_kwargs, make_loaders, summarize
+from eagle3_ray.train_worker import Loop, MetricSums, _step_metrics, _tensors, collective_device, make_loaders, summarize
 
 
 def stream_sample(row: dict, num_aux: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | SampleUnavailable:
@@ -141,24 +138,9 @@ class OnlineLoop(Loop):
     """train_worker.Loop with the stream as its data: the same model, optimizer, restore, steps, metrics and
     checkpoints; the LR schedule's length is estimated (responses do not exist yet when it is built)."""
 
-    def __init__(self, lc: dict):  # Loop.__init__ without the offline loaders
-        self.cfg = config_from_dict(lc["cfg"])
-        self.lc, self.out_dir = lc, lc["out_dir"]
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
-        torch.manual_seed(self.cfg.run.seed)
+    def __init__(self, lc: dict):
+        super().__init__(lc, steps_per_epoch=lc["steps_per_epoch"])
         capture, tc = lc["capture"], self.cfg.train
-        self.raw = build_model(self.cfg, capture, storage.join(self.out_dir, "vocab"), self.device)
-        self.model = ray.train.torch.prepare_model(self.raw)
-        self.optimizer = torch.optim.AdamW([p for p in self.raw.parameters() if p.requires_grad], lr=tc.lr)
-        self.steps_per_epoch = lc["steps_per_epoch"]
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, tc.warmup_steps,
-                                                         tc.epochs * self.steps_per_epoch)
-        self.kwargs = loss_kwargs(self.cfg)
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.use_gpu)
-        self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
-        self.start_epoch, self.step, self.best = 0, 0, None
         self.num_aux, self.total_seq_len = len(capture["aux_layer_ids"]), tc.total_seq_len
         self.dtype = torch.bfloat16 if tc.use_gpu else torch.float32
         self.collate = CollateFn(tc.total_seq_len, capture["hidden_size"], num_target_layers=self.num_aux,

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -89,6 +90,22 @@ def build_tiny_verifier(arch: Arch, out_dir: str | Path, *, dtype: str = "bfloat
     tokenizer.save_pretrained(out)
     marker.write_text(json.dumps(spec))
     return out
+
+
+def local_run_dir(run_dir: str, run_name: str) -> str:
+    """A local folder for what must be local files (the tiny verifier): the run dir itself when it is local
+    (`file://` stripped), else a folder under the temp dir named after the run."""
+    if run_dir.startswith("file://"):
+        return run_dir[len("file://"):]
+    if "://" in run_dir:
+        return os.path.join(tempfile.gettempdir(), "eagle3_ray", run_name)
+    return run_dir
+
+
+def verifier_dir(cfg) -> str:
+    """The verifier directory every stage uses: `verifier.path`, or the tiny verifier it names, built (once) in the
+    run's local folder. One place, so every stage resolves the same directory and records the same path."""
+    return resolve_verifier_path(cfg.verifier.path, local_run_dir(cfg.run.run_dir, cfg.run.name), cfg.verifier.dtype)
 
 
 def resolve_verifier_path(path: str, run_dir_local: str, dtype: str = "bfloat16") -> str:

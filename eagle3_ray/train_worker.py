@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.cli import create_transformer_layer_config
 
-from eagle3_ray import checkpoints, data, vocab
+from eagle3_ray import checkpoints, data, storage, vocab
 from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.telemetry import JsonlWriter, log, metrics
 
@@ -57,7 +57,6 @@ def make_loaders(cfg: Config, lc: dict, rank: int, world: int):
     """(train loader, val loader) over this rank's share of the samples; hidden states stay on disk until read."""
     import pyarrow.parquet as pq
 
-    from eagle3_ray import storage
 
     gen_dir, capture = lc["gen_dir"], lc["capture"]
     manifest = [r for r in storage.read_parquet(storage.join(gen_dir, "manifest.parquet")).to_pylist()
@@ -168,23 +167,26 @@ class Sinks:
 class Loop:
     """One worker's training state and its epoch/validation/checkpoint steps."""
 
-    def __init__(self, lc: dict):
+    def __init__(self, lc: dict, steps_per_epoch: int | None = None):
+        """`steps_per_epoch` None: the offline loaders are built and give it; a stream passes its estimate."""
         self.cfg = config_from_dict(lc["cfg"])
         self.lc, self.out_dir = lc, lc["out_dir"]
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         torch.manual_seed(self.cfg.run.seed)
-        raw = build_model(self.cfg, lc["capture"], os.path.join(self.out_dir, "vocab"), self.device)
-        self.raw = raw
-        self.model = ray.train.torch.prepare_model(raw)
-        self.optimizer = torch.optim.AdamW([p for p in raw.parameters() if p.requires_grad], lr=self.cfg.train.lr)
-        self.train_loader, self.val_loader = make_loaders(self.cfg, lc, self.rank, self.world)
-        self.steps_per_epoch = len(self.train_loader)
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, self.cfg.train.warmup_steps,
-                                                         self.cfg.train.epochs * self.steps_per_epoch)
+        tc = self.cfg.train
+        self.raw = build_model(self.cfg, lc["capture"], storage.join(self.out_dir, "vocab"), self.device)
+        self.model = ray.train.torch.prepare_model(self.raw)
+        self.optimizer = torch.optim.AdamW([p for p in self.raw.parameters() if p.requires_grad], lr=tc.lr)
+        if steps_per_epoch is None:
+            self.train_loader, self.val_loader = make_loaders(self.cfg, lc, self.rank, self.world)
+            steps_per_epoch = len(self.train_loader)
+        self.steps_per_epoch = steps_per_epoch
+        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, tc.warmup_steps,
+                                                         tc.epochs * self.steps_per_epoch)
         self.kwargs = loss_kwargs(self.cfg)
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.train.use_gpu)
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.use_gpu)
         self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
         self.start_epoch, self.step, self.best = 0, 0, None
 

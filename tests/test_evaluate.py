@@ -28,9 +28,9 @@ def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama, ray_session):
     """Trained drafter exported (shared with test_export.py), then evaluated once: baseline + k=3 engines."""
-    run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=60, num_epochs=2)
+    run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=100, num_epochs=2)
     export.run(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                                 "verifier": {"path": tiny_llama}, "export": {"checkpoint": "last"}}))  # 120 steps
+                                 "verifier": {"path": tiny_llama}, "export": {"checkpoint": "last"}}))  # 200 steps
     summary = evaluate.run(make_cfg(run_dir, tiny_llama))
     out_dir = storage.latest(str(run_dir), "evaluate")["path"]
     return {"run_dir": run_dir, "verifier": tiny_llama, "summary": summary, "out_dir": out_dir,

@@ -178,7 +178,35 @@ def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_pat
     table = ray_session.util.placement_group_table(created[0])
     assert table["strategy"] == "STRICT_PACK"
     ray_session.util.remove_placement_group(created[0])
-    assert engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
+    # vLLM's CPU build refuses the Ray executor; its TP workers are processes of the engine actor
+    assert engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "mp"
+
+
+def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
+    from eagle3_ray import engine
+
+    monkeypatch.setattr(engine, "_cpu_platform", lambda: False)  # the platform check is all that differs on a GPU
+    cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
+
+
+def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cpus():
+    from eagle3_ray.engine import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
+    assert cpu_thread_binding(4, [0, 1]) == "nobind"
+
+
+def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, tiny_llama_fp32, ray_session):
+    """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states."""
+    cfg = make_cfg(tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", tensor_parallel_size=2,
+                   num_gpus_per_worker=0.0)
+    table = ingest(cfg, tiny_llama_fp32, num_single=6, num_multi=2)
+    summary = run(cfg)
+    assert summary["rows_ok"] == table.num_rows
+    assert_every_sample_exactly_once(out_dir(cfg), table)
+    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
 
 
 def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
