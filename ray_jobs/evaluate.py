@@ -8,25 +8,16 @@ Exits 1 when the drafter misses the gate (unless evaluate.report_only), so a job
 finished evaluation with other thresholds re-applies the gate without starting an engine.
 """
 
-import argparse
 import sys
 
-from eagle3_ray import evaluate
-from eagle3_ray.config import dump_config, load_config
-from eagle3_ray.telemetry import log
+from eagle3_ray import cli, evaluate
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    log("evaluate", "config", recipe=args.config, overrides=args.overrides)
-    print(dump_config(cfg), flush=True)
+    cfg, _ = cli.load(__doc__, "evaluate")
     try:
         evaluate.run(cfg)
-    except evaluate.DeployGateError as e:
+    except evaluate.DeployGateError as e:  # the gate's summary, and a non-zero exit that stops a job pipeline
         print(e, file=sys.stderr, flush=True)
         return 1
     return 0

@@ -8,23 +8,7 @@ The capture/serving contract is checked before and after writing.
 A finished version is a no-op that says so.
 """
 
-import argparse
-
-from eagle3_ray import export
-from eagle3_ray.config import dump_config, load_config
-from eagle3_ray.telemetry import log
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    log("export", "config", recipe=args.config, overrides=args.overrides)
-    print(dump_config(cfg), flush=True)
-    export.run(cfg)
-
+from eagle3_ray import cli, export
 
 if __name__ == "__main__":
-    main()
+    export.run(cli.load(__doc__, "export")[0])

@@ -8,23 +8,7 @@
 A resubmitted job resumes: samples already committed are skipped; a finished version is a no-op that says so.
 """
 
-import argparse
-
-from eagle3_ray import generate
-from eagle3_ray.config import dump_config, load_config
-from eagle3_ray.telemetry import log
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    log("generate", "config", recipe=args.config, overrides=args.overrides)
-    print(dump_config(cfg), flush=True)
-    generate.run(cfg)
-
+from eagle3_ray import cli, generate
 
 if __name__ == "__main__":
-    main()
+    generate.run(cli.load(__doc__, "generate")[0])

@@ -6,24 +6,13 @@
 Resubmitting with the same run.storage_path and run.name resumes; the first log line says so.
 """
 
-import argparse
-
-from eagle3_ray import pipeline
-from eagle3_ray.config import dump_config, load_config
-from eagle3_ray.telemetry import log
+from eagle3_ray import cli, pipeline
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
+def _stages(parser) -> None:
     parser.add_argument("--stages", default=",".join(pipeline.STAGES), help="comma-separated subset, run in order")
-    args = parser.parse_intermixed_args()
-    cfg = load_config(args.config, args.overrides)
-    log("pipeline", "config", recipe=args.config, overrides=args.overrides)
-    print(dump_config(cfg), flush=True)
-    pipeline.run(cfg, pipeline.parse_stages(args.stages))
 
 
 if __name__ == "__main__":
-    main()
+    cfg, args = cli.load(__doc__, "pipeline", _stages)
+    pipeline.run(cfg, pipeline.parse_stages(args.stages))

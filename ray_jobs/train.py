@@ -7,24 +7,9 @@ checkpoints, best/, vocab/, metrics.jsonl, tensorboard/) and train/LATEST.json. 
 Resubmitting the same command resumes after the last checkpoint; a finished run is a no-op.
 """
 
-import argparse
-
-from eagle3_ray import train
-from eagle3_ray.config import dump_config, load_config
+from eagle3_ray import cli, train
 from eagle3_ray.telemetry import log
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="YAML recipe, e.g. ray_jobs/configs/tiny_cpu.yaml")
-    parser.add_argument("overrides", nargs="*", help="section.field=value")
-    args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    log("train", "config", recipe=args.config, overrides=args.overrides)
-    print(dump_config(cfg), flush=True)
-    summary = train.run(cfg)
-    log("train", "done", version=summary["version"], best=summary["best"] and summary["best"]["path"])
-
-
 if __name__ == "__main__":
-    main()
+    summary = train.run(cli.load(__doc__, "train")[0])
+    log("train", "done", version=summary["version"], best=summary["best"] and summary["best"]["path"])
