@@ -217,7 +217,7 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
         if infos and list(Path(out, "parts").glob("*.parquet")):
             pids = storage.read_json(str(infos[0]))["engine_pids"]
             return next(p for p in pids if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name())
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
 
 
@@ -229,7 +229,8 @@ def _out_dir_while_running(cfg) -> str:
 
 def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama, ray_session):
     cfg = make_cfg(tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160)
-    table = ingest(cfg, tiny_llama, num_single=16, num_multi=2, long_words=40)
+    # enough units that a fast machine is still far from done when the first one commits and the engine dies
+    table = ingest(cfg, tiny_llama, num_single=32, num_multi=2, long_words=40)
     result = {}
     worker = threading.Thread(target=lambda: result.update(summary=run(cfg)))
     worker.start()
@@ -245,7 +246,7 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
 
 def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(tmp_path, tiny_llama, ray_session):
     cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
-    table = ingest(cfg, tiny_llama, num_single=20, num_multi=3)
+    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
     code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
             f"run(config_from_dict({cfg.to_dict()!r}))")
