@@ -41,9 +41,10 @@ def test_dashboard_train_view_lists_the_training_run(ray_head, pipeline_job):
 def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_head):
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
-    # One sample per generate unit (each unit commits on its own), so the stop lands between commits; enough units
-    # that the job is far from done when the first one commits, even on a fast machine.
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=160", "generate.max_batch_tokens=96",
+    # One sample per generate unit (each unit commits on its own), so the stop lands between commits; all 200
+    # builtin prompts, so the job is far from done when the first unit commits even on a fast machine (CI once
+    # finished 40 units in the seconds `ray job stop` took to start).
+    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=200", "generate.max_batch_tokens=96",
                                      "--stages", "ingest,generate")
     ray_head.submit("eagle3-stop-1", *entrypoint)
     deadline = time.monotonic() + 600
@@ -51,8 +52,7 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
         assert time.monotonic() < deadline, ray_head.logs("eagle3-stop-1")[-4000:]
         assert ray_head.job("eagle3-stop-1")["status"] in ("PENDING", "RUNNING"), ray_head.logs("eagle3-stop-1")
         time.sleep(0.2)
-    # The REST route, not `ray job stop`: the CLI's own start-up would give the job seconds more to run.
-    assert ray_head.post("/api/jobs/eagle3-stop-1/stop")["stopped"]
+    ray_head.ray_cli("job", "stop", "--address", ray_head.address, "eagle3-stop-1")
     assert ray_head.wait("eagle3-stop-1", {"STOPPED"}, timeout_s=120)["status"] == "STOPPED"
     assert not (run_dir / "generate" / "LATEST.json").exists(), "the job finished before it was stopped"
 
