@@ -25,6 +25,7 @@ import torch
 from eagle3_ray import chat, shards, storage, telemetry
 from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
 PART_SCHEMA = pa.schema([
     ("id", pa.string()), ("unit_id", pa.string()), ("status", pa.string()),  # status: "ok" or "rejected"
@@ -107,6 +108,7 @@ class CaptureEngine:
         from vllm import LLM
 
         self.cfg = config_from_dict(cfg_dict)
+        verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
         self.layer_ids, self.out_dir = layer_ids, out_dir
         self.scratch = _scratch_dir(out_dir)
         args = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch)

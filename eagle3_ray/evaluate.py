@@ -15,15 +15,16 @@ thresholds re-applies the gate to the stored results without starting an engine.
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from eagle3_ray import contract, report, storage
-from eagle3_ray.config import Config
+from eagle3_ray import contract, report, storage, tiny_verifier
+from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.telemetry import log
-from eagle3_ray import tiny_verifier
 
 STAGE = "evaluate"
 GATE_FIELDS = ("min_speedup", "min_acceptance_length", "report_only", "require_identical_outputs")
@@ -38,10 +39,11 @@ class DeployGateError(RuntimeError):
 class EngineBench:
     """Ray actor around one vLLM engine: greedy decoding of token-id prompts at a given concurrency."""
 
-    def __init__(self, engine_args: dict[str, Any]):
+    def __init__(self, engine_args: dict[str, Any], cfg_dict: dict[str, Any]):
         from vllm import LLM
 
-        self.llm = LLM(**engine_args)
+        args, self.local_drafter = local_engine_args(engine_args, config_from_dict(cfg_dict))
+        self.llm = LLM(**args)
 
     def speculative_info(self) -> dict[str, Any]:
         """What the engine resolved for the drafter: its architecture and the verifier layers it feeds it."""
@@ -87,6 +89,20 @@ class EngineBench:
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
+        if self.local_drafter:
+            shutil.rmtree(self.local_drafter, ignore_errors=True)
+
+
+def local_engine_args(engine_args: dict[str, Any], cfg: Config) -> tuple[dict[str, Any], str | None]:
+    """The engine's files on the node this actor runs on, which need not be the driver's: a drafter on an object
+    store is copied here (vLLM reads local directories), a tiny verifier missing here is built here. Returns the
+    arguments and the drafter copy to delete afterwards (None when the drafter was already local)."""
+    args = copy.deepcopy(engine_args)
+    args["model"] = tiny_verifier.verifier_dir_on_this_node(cfg.verifier.path, args["model"], cfg.verifier.dtype)
+    spec, copied = args.get("speculative_config"), None
+    if spec is not None and "://" in spec["model"]:
+        spec["model"] = copied = _local_drafter(spec["model"])
+    return args, copied
 
 
 def load_prompts(cfg: Config) -> list[dict[str, Any]]:
@@ -151,7 +167,7 @@ def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> d
     import ray
 
     actor_cls = ray.remote(num_cpus=cfg.evaluate.num_cpus_per_engine, num_gpus=cfg.evaluate.num_gpus_per_engine)
-    actor = actor_cls(EngineBench).remote(args)
+    actor = actor_cls(EngineBench).remote(args, cfg.to_dict())
     try:
         info = ray.get(actor.speculative_info.remote()) if "speculative_config" in args else None
         runs = {c: ray.get(actor.measure.remote(prompts, c, cfg.evaluate.max_tokens)) for c in cfg.evaluate.concurrency}
@@ -205,7 +221,7 @@ def run(cfg: Config) -> dict[str, Any]:
         results = storage.read_json(results_uri)
     else:
         ensure_ray(cfg.run)
-        drafter_dir = _local_drafter(storage.join(export_dir, "speculators"))
+        drafter_dir = storage.join(export_dir, "speculators")  # each engine actor copies it to its own node
         contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
         token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)
         log(STAGE, "start", version=version, num_prompts=len(prompts), drafter=drafter_dir)
@@ -224,9 +240,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def _local_drafter(uri: str) -> str:
-    """vLLM reads a local directory: a drafter on an object store is copied to the node's temp dir first."""
-    if "://" not in uri:
-        return uri
+    """A drafter on an object store (or a `file://` URI) copied to this node's temp dir."""
     local = Path(tempfile.mkdtemp(prefix="eagle3-drafter-"))
     for name in ("config.json", "model.safetensors"):
         (local / name).write_bytes(storage.read_bytes(storage.join(uri, name)))

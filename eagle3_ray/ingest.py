@@ -25,7 +25,7 @@ from eagle3_ray.config import Config
 from eagle3_ray.prompts import tiny_prompts
 from eagle3_ray.raycluster import ensure_ray
 from eagle3_ray.telemetry import RateMeter, log, metrics
-from eagle3_ray.tiny_verifier import verifier_dir
+from eagle3_ray.tiny_verifier import verifier_dir, verifier_dir_on_this_node
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 # Raw rows: where a row came from (file_order, row: the sort key of "source order") and the row as ASCII JSON.
@@ -113,7 +113,8 @@ def _pipeline(inputs: list[list[formats.InputFile]], cfg: Config, verifier_path:
     return raw.repartition(target_num_rows_per_block=ROWS_PER_TASK).map_batches(
         _normalise_batch, batch_format="pyarrow", batch_size=256, num_cpus=1,
         compute=ray.data.TaskPoolStrategy(size=cfg.ingest.num_workers),
-        fn_kwargs={"verifier_path": verifier_path, "trust_remote_code": cfg.verifier.trust_remote_code,
+        fn_kwargs={"verifier_path": verifier_path, "verifier_source": cfg.verifier.path, "dtype": cfg.verifier.dtype,
+                   "trust_remote_code": cfg.verifier.trust_remote_code,
                    "turns": cfg.ingest.turns, "max_prompt_tokens": cfg.ingest.max_prompt_tokens})
 
 
@@ -176,9 +177,11 @@ class Normaliser:
     """Raw rows -> normalised rows or rejects (NORMALISED_SCHEMA), one output row per input row. Prompts are
     chat-templated with the generation prompt and tokenized with the verifier's tokenizer, as vLLM will see them."""
 
-    def __init__(self, verifier_path: str, trust_remote_code: bool, turns: str, max_prompt_tokens: int):
+    def __init__(self, verifier_path: str, verifier_source: str, dtype: str, trust_remote_code: bool, turns: str,
+                 max_prompt_tokens: int):
         from transformers import AutoTokenizer
 
+        verifier_path = verifier_dir_on_this_node(verifier_source, verifier_path, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
         self.turns, self.max_prompt_tokens = turns, max_prompt_tokens
 

@@ -23,6 +23,7 @@ import torch
 from eagle3_ray import chat, shards, storage, telemetry
 from eagle3_ray.config import config_from_dict
 from eagle3_ray.engine import PART_SCHEMA, CaptureEngine, _exit_when_engine_dies, engine_kwargs, prepare_engine_env
+from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
 ROW_COLUMNS = ("id", "input_ids", "loss_mask", "hs", "scale", "hs_dtype")
 
@@ -81,6 +82,7 @@ class StreamEngine(CaptureEngine):
         from vllm import LLM
 
         self.cfg = config_from_dict(cfg_dict)
+        verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
         self.layer_ids, self.cache_dir = layer_ids, cache_dir
         self.out_dir = cache_dir or out_dir  # CaptureEngine writes engines/*.json, shards and parts here
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -67,16 +68,18 @@ def _model_config(arch: Arch, vocab_size: int, num_layers: int):
 
 def build_tiny_verifier(arch: Arch, out_dir: str | Path, *, dtype: str = "bfloat16", num_layers: int = 6,
                         seed: int = 0) -> Path:
-    """Build (or reuse, when already complete) a tiny verifier directory and return its path."""
+    """Build (or reuse, when already complete) a tiny verifier directory and return its path. The build is seeded
+    (byte-identical on every machine) and atomic: it is written beside `out_dir` and renamed into place, so engine
+    actors or workers building it at the same time on one node never see a half-written directory."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
-    marker = out / "tiny_verifier.json"
     spec = {"arch": arch, "dtype": dtype, "num_layers": num_layers, "seed": seed}
-    if marker.exists() and json.loads(marker.read_text()) == spec:
+    if _built(out, spec):
         return out
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tokenizer = build_tokenizer()
     config = _model_config(arch, len(tokenizer), num_layers)
     torch.manual_seed(seed)
@@ -86,10 +89,23 @@ def build_tiny_verifier(arch: Arch, out_dir: str | Path, *, dtype: str = "bfloat
         model.lm_head.weight.mul_(5.0)
     model = model.to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=IM_END_ID, pad_token_id=PAD_ID)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    marker.write_text(json.dumps(spec))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "tiny_verifier.json").write_text(json.dumps(spec))
+    if out.exists() and not _built(out, spec):
+        shutil.rmtree(out, ignore_errors=True)  # an older spec or an interrupted non-atomic build
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another builder renamed its identical copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _built(out, spec):
+            raise
     return out
+
+
+def _built(out: Path, spec: dict) -> bool:
+    marker = out / "tiny_verifier.json"
+    return marker.exists() and json.loads(marker.read_text()) == spec
 
 
 def local_run_dir(run_dir: str, run_name: str) -> str:
@@ -106,6 +122,15 @@ def verifier_dir(cfg) -> str:
     """The verifier directory every stage uses: `verifier.path`, or the tiny verifier it names, built (once) in the
     run's local folder. One place, so every stage resolves the same directory and records the same path."""
     return resolve_verifier_path(cfg.verifier.path, local_run_dir(cfg.run.run_dir, cfg.run.name), cfg.verifier.dtype)
+
+
+def verifier_dir_on_this_node(source: str, path: str, dtype: str) -> str:
+    """For code in Ray actors and tasks, which need not run on the driver's node: `path` as the driver resolved
+    `verifier.path` (`source`), except that a tiny verifier missing on this node (a remote run dir keeps it in each
+    node's temp dir) is built here first, at the same path (seeded: the same bytes)."""
+    if source.startswith("tiny:") and not Path(path, "tiny_verifier.json").exists():
+        return str(build_tiny_verifier(source.split(":", 1)[1], path, dtype=dtype))
+    return path
 
 
 def resolve_verifier_path(path: str, run_dir_local: str, dtype: str = "bfloat16") -> str:

@@ -27,12 +27,13 @@ from speculators.train.cli import create_transformer_layer_config
 from eagle3_ray import checkpoints, data, storage, vocab
 from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.telemetry import JsonlWriter, log, metrics
+from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
 
 def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device) -> Eagle3DraftModel:
     """speculators' Eagle3 drafter; embeddings, verifier head and norm are loaded from the verifier (frozen)."""
     tc = cfg.train
-    verifier = capture["verifier_path"]
+    verifier = verifier_dir_on_this_node(cfg.verifier.path, capture["verifier_path"], cfg.verifier.dtype)
     attn = tc.attn_impl if tc.attn_impl != "auto" else ("simple_flex_attention" if tc.use_gpu else "sdpa")
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=verifier, num_layers=tc.num_draft_layers, draft_arch="llama", hidden_act="silu",

@@ -152,3 +152,21 @@ def test_online_runs_check_held_out_prompts_against_the_ingested_conversations(t
     assert check_held_out(held_out, run_dir, "online")["num_train_conversations"] == 1
     with pytest.raises(ValueError, match="in the training data"):
         check_held_out([{"id": "c3", "messages": messages[0]}], run_dir, "online")
+
+
+def test_engine_actor_copies_a_drafter_on_storage_to_its_own_node(trained, tiny_llama):
+    """The driver only names the drafter; each engine actor copies it where it runs (a GPU node, not the head)."""
+    import shutil
+
+    drafter = storage.latest(str(trained["run_dir"]), "export")["speculators_dir"]
+    cfg = make_cfg(trained["run_dir"], tiny_llama)
+    args, copied = evaluate.local_engine_args(evaluate.engine_args(cfg, tiny_llama, f"file://{drafter}", 3), cfg)
+    try:
+        assert args["speculative_config"]["model"] == copied and copied != drafter
+        for name in ("config.json", "model.safetensors"):
+            assert Path(copied, name).read_bytes() == Path(drafter, name).read_bytes()
+        assert args["model"] == tiny_llama
+    finally:
+        shutil.rmtree(copied)
+    local, none = evaluate.local_engine_args(evaluate.engine_args(cfg, tiny_llama, drafter, 3), cfg)
+    assert none is None and local["speculative_config"]["model"] == drafter

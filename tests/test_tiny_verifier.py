@@ -57,6 +57,38 @@ def test_same_seed_builds_identical_weights_another_seed_differs_and_a_finished_
     assert (tmp_path / "a" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_builders_racing_on_one_node_both_get_the_complete_verifier(tmp_path):
+    """Engine actors, ingest tasks and train workers on one node may build the same tiny verifier at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from eagle3_ray.tiny_verifier import build_tiny_verifier; "
+            "print(build_tiny_verifier('llama', sys.argv[1], num_layers=2))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "v")], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and outs == [str(tmp_path / "v")] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v"], "a temporary build was left behind"
+    assert json.loads((tmp_path / "v" / "tiny_verifier.json").read_text())["num_layers"] == 2
+    assert load_file(str(tmp_path / "v" / "model.safetensors"))
+
+
+def test_a_node_without_the_tiny_verifier_builds_the_same_one_where_the_driver_has_it(tmp_path):
+    import hashlib
+    import shutil
+
+    from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
+
+    driver_side = build_tiny_verifier("llama", tmp_path / "verifier-tiny-llama-bfloat16")
+    digest = hashlib.sha256((driver_side / "model.safetensors").read_bytes()).hexdigest()
+    assert verifier_dir_on_this_node("tiny:llama", str(driver_side), "bfloat16") == str(driver_side)
+    shutil.rmtree(driver_side)  # what another node's temp dir looks like
+    rebuilt = verifier_dir_on_this_node("tiny:llama", str(driver_side), "bfloat16")
+    assert rebuilt == str(driver_side)
+    assert hashlib.sha256((driver_side / "model.safetensors").read_bytes()).hexdigest() == digest
+    assert verifier_dir_on_this_node("org/real-model", "org/real-model", "bfloat16") == "org/real-model"
+
+
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_llama):
     """One CPU vLLM engine for the module (starting one takes ~20-25 s), shut down afterwards."""
