@@ -62,6 +62,7 @@ def time_speculators_loop(gen_dir: str, spec_dir: str, vocab_dir: str, *, total_
     cfg.train.total_seq_len, cfg.train.draft_vocab_size, cfg.train.loss_implementation = (
         total_seq_len, draft_vocab, "eager")
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
+    cfg.verifier.path = capture["verifier_path"]
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, torch.device("cpu"))  # Eagle3DraftModel, sdpa
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)

@@ -180,6 +180,7 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
         use_gpu, total_seq_len, draft_vocab, 3, 1)
     tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
+    cfg.verifier.path = capture["verifier_path"]
     device = torch.device("cuda" if use_gpu else "cpu")
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, device)

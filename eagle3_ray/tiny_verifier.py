@@ -128,7 +128,7 @@ def verifier_dir_on_this_node(source: str, path: str, dtype: str) -> str:
     """For code in Ray actors and tasks, which need not run on the driver's node: `path` as the driver resolved
     `verifier.path` (`source`), except that a tiny verifier missing on this node (a remote run dir keeps it in each
     node's temp dir) is built here first, at the same path (seeded: the same bytes)."""
-    if source.startswith("tiny:") and not Path(path, "tiny_verifier.json").exists():
+    if source.startswith("tiny:") and not Path(path).exists():  # builds are atomic: a dir that exists is complete
         return str(build_tiny_verifier(source.split(":", 1)[1], path, dtype=dtype))
     return path
 
