@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
-from eagle3_ray import contract, storage
+from eagle3_ray import contract, storage, tiny_verifier
 from eagle3_ray.config import Config
 from eagle3_ray.telemetry import log
-from eagle3_ray import tiny_verifier
 
 STAGE = "export"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "capture.json")
