@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.cli import create_transformer_layer_config
 
-from eagle3_ray import checkpoints, data, storage, vocab
+from eagle3_ray import acceptance, checkpoints, data, storage, vocab
 from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.telemetry import JsonlWriter, log, metrics
 from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
@@ -252,12 +252,17 @@ class Loop:
     def validate(self) -> dict[str, float]:
         self.model.eval()
         sums = MetricSums()
+        ks = acceptance.replay_lengths(self.cfg.evaluate.num_speculative_tokens, self.cfg.train.ttt_steps)
         for batch in self.val_loader:
+            tensors = _tensors(batch, self.device)
             with self.autocast:
-                _draft, _loss, step_metrics = self.model(**_tensors(batch, self.device), **self.kwargs)
-            sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]))
+                draft, _loss, step_metrics = self.model(**tensors, **self.kwargs)
+                targets = acceptance.target_ids(self.raw, tensors["verifier_last_hidden_states"])
+            replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks)
+            sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]), **replay)
         reduced = sums.reduce()
-        return {**summarize(reduced, self.cfg.train.ttt_steps, "val_"), "val_bad_samples": reduced["bad_samples"]}
+        return {**summarize(reduced, self.cfg.train.ttt_steps, "val_"), **acceptance.summarize(reduced, ks),
+                "val_bad_samples": reduced["bad_samples"]}
 
     def end_epoch(self, epoch: int, train_sums: dict[str, float], val: dict[str, float]) -> None:
         tc = self.cfg.train
