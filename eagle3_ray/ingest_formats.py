@@ -30,6 +30,7 @@ BUILTIN_PREFIX = "builtin:"
 FILE_KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json", ".csv": "csv"}
 DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 PEEK_BYTES = 1 << 20
+UTF8_BOM = b"\xef\xbb\xbf"  # editors on Windows start UTF-8 files with it; json.loads rejects it
 
 
 class Reject(Exception):
@@ -66,25 +67,33 @@ def expand_input(uri: str, where: str) -> list[InputFile]:
         if names & set(DATASETS_MARKERS):
             return [InputFile(uri, "datasets")]
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-        rel = sorted(i.path[len(path):].lstrip("/") for i in infos if i.type == pafs.FileType.File)
-        files = [InputFile(storage.join(uri, r), _file_kind(r)) for r in rel if os.path.splitext(r)[1] in FILE_KINDS]
+        found = sorted((i.path[len(path):].lstrip("/"), i) for i in infos if i.type == pafs.FileType.File)
+        files = [_input_file(storage.join(uri, rel), info, fs, where) for rel, info in found
+                 if os.path.splitext(rel)[1] in FILE_KINDS]
         if not files:
             raise ValueError(f"{where}: folder {uri} holds no {', '.join(FILE_KINDS)} files and is not a datasets folder")
         return files
     ext = os.path.splitext(path)[1]
     if ext not in FILE_KINDS:
         raise ValueError(f"{where}: {uri} has an unsupported extension {ext!r} (supported: {', '.join(FILE_KINDS)})")
-    return [InputFile(uri, _file_kind(path, fs))]
+    return [_input_file(uri, info, fs, where)]
 
 
-def _file_kind(path: str, fs: pafs.FileSystem | None = None) -> str:
+def _input_file(uri: str, info: pafs.FileInfo, fs: pafs.FileSystem, where: str) -> InputFile:
+    """One file of an input, named directly or found in a folder (the same file reads the same either way)."""
+    if info.size == 0:
+        raise ValueError(f"{where}: {uri} is empty (0 bytes)")
+    return InputFile(uri, _file_kind(info.path, fs))
+
+
+def _file_kind(path: str, fs: pafs.FileSystem) -> str:
     kind = FILE_KINDS[os.path.splitext(path)[1]]
-    if kind == "json" and fs is not None:
+    if kind == "json":
         # `.json` holds either one object per line or one JSON array; `datasets` reads the array form.
         with fs.open_input_stream(path) as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(UTF8_BOM).lstrip()
         return "datasets" if head.startswith(b"[") else "jsonl"
-    return {"json": "jsonl", "csv": "datasets"}.get(kind, kind)
+    return {"csv": "datasets"}.get(kind, kind)
 
 
 def column_names(item: InputFile) -> list[str]:
@@ -98,7 +107,7 @@ def column_names(item: InputFile) -> list[str]:
         return load_datasets_table(item.uri).column_names
     fs, path = storage.resolve(item.uri)
     with fs.open_input_stream(path) as f:
-        head = f.read(PEEK_BYTES)
+        head = f.read(PEEK_BYTES).removeprefix(UTF8_BOM)
     keys: set[str] = set()
     for line in head.splitlines()[:1000]:
         try:
@@ -113,7 +122,8 @@ def check_known_columns(item: InputFile, where: str) -> None:
     try:
         names = column_names(item)
     except (OSError, pa.ArrowInvalid) as e:
-        raise ValueError(f"{where}: cannot read {item.uri}: {e}") from e
+        # `from None`: the message says all there is; a chained pyarrow traceback would only bury it
+        raise ValueError(f"{where}: cannot read {item.uri}: {e}") from None
     if not set(names) & set(KNOWN_COLUMNS):
         raise ValueError(f"{where}: {item.uri} has none of the known columns {list(KNOWN_COLUMNS)} "
                          f"(found {names[:20]})")
@@ -136,8 +146,8 @@ def load_datasets_table(uri: str) -> pa.Table:
 # ---- raw rows: (row index, row as ASCII JSON or None, error code or None) ---------------------------------------
 
 def jsonl_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
-    """One raw row per non-blank line; the row index is the 0-based line number."""
-    for index, line in enumerate(data.split(b"\n")):
+    """One raw row per non-blank line; the row index is the 0-based line number. A leading UTF-8 BOM is dropped."""
+    for index, line in enumerate(data.removeprefix(UTF8_BOM).split(b"\n")):
         if max_rows is not None and index >= max_rows:
             return
         if not line.strip():
@@ -187,6 +197,9 @@ def normalise(row: dict[str, Any], turns: str) -> list[dict[str, str]]:
     The whole conversation is validated either way, so whether a row is rejected never depends on `turns`."""
     column = next((c for c in KNOWN_COLUMNS if row.get(c) is not None), None)
     if column is None:
+        nulls = [c for c in KNOWN_COLUMNS if c in row]
+        if nulls:
+            raise Reject("null_column", f"{nulls[0]} is null")
         raise Reject("no_known_column", f"row has none of {list(KNOWN_COLUMNS)} (keys: {sorted(row)[:10]})")
     if column in ("messages", "conversations"):
         messages = _chat_messages(row[column], column)
@@ -202,8 +215,10 @@ def normalise(row: dict[str, Any], turns: str) -> list[dict[str, str]]:
 
 
 def _chat_messages(items: Any, column: str) -> list[dict[str, str]]:
-    if not isinstance(items, list) or not items:
-        raise Reject("bad_messages", f"{column} must be a non-empty list, got {type(items).__name__}")
+    if not isinstance(items, list):
+        raise Reject("bad_messages", f"{column} must be a list of messages, got {type(items).__name__}")
+    if not items:
+        raise Reject("empty_messages", f"{column} is an empty list: a conversation needs at least a user turn")
     messages = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):

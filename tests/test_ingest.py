@@ -241,3 +241,52 @@ def test_builtin_tiny_prompts_ingest_without_downloads_and_eval_split_is_disjoin
     eval_users = {m["content"] for c in tiny_prompts(split="eval") for m in c["messages"] if m["role"] == "user"}
     assert len(eval_users) == 100 and not train_users & eval_users
     assert tiny_prompts(split="eval", num_prompts=5) == tiny_prompts(split="eval")[:5]
+
+
+def test_jsonl_starting_with_a_utf8_bom_keeps_its_first_row(ingest, tiny_llama, tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": U1["content"]}).encode() + b"\n"
+                     + json.dumps({"prompt": U2["content"]}).encode() + b"\n")
+    summary = ingest.run(make_cfg(tmp_path, tiny_llama, [path]))
+    assert [r["source"] for r in read_output(summary)] == [f"{path}:0", f"{path}:1"]
+    assert (summary["rows_ok"], summary["rows_rejected"]) == (2, 0)
+
+
+def test_folder_holding_a_json_array_file_ingests_like_the_file_named_directly(ingest, tiny_llama, tmp_path):
+    folder = tmp_path / "arrays"
+    folder.mkdir()
+    (folder / "chats.json").write_text(json.dumps([{"messages": [U1, A1]}, {"prompt": U2["content"]}]))
+    direct = read_output(ingest.run(make_cfg(tmp_path, tiny_llama, [folder / "chats.json"], "ingest.turns=all")))
+    via_folder = read_output(ingest.run(make_cfg(tmp_path, tiny_llama, [folder], "ingest.turns=all")))
+    assert [r["messages"] for r in via_folder] == [r["messages"] for r in direct] == [[U1, A1], [U2]]
+    assert [r["source"] for r in via_folder] == [f"{folder}/chats.json:0", f"{folder}/chats.json:1"]
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.parquet", "folder/empty.jsonl"])
+def test_a_zero_byte_file_fails_with_one_message_naming_it_and_no_chained_traceback(ingest, tiny_llama, tmp_path,
+                                                                                   name):
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"")
+    cfg = make_cfg(tmp_path, tiny_llama, [path.parent if "/" in name else path])
+    with pytest.raises(ValueError, match=rf"^ingest.inputs\[0\]: {path} is empty \(0 bytes\)$") as err:
+        ingest.run(cfg)
+    assert err.value.__cause__ is None and err.value.__context__ is None  # nothing printed above the message
+    assert not os.path.exists(cfg.run.run_dir)
+
+
+def test_an_empty_messages_list_is_rejected_as_empty_messages_not_as_a_wrong_type():
+    from eagle3_ray.ingest_formats import Reject, normalise
+
+    with pytest.raises(Reject) as err:
+        normalise({"messages": []}, "all")
+    assert (err.value.reason, err.value.detail) == (
+        "empty_messages", "messages is an empty list: a conversation needs at least a user turn")
+
+
+def test_a_null_prompt_is_rejected_naming_the_null_column_not_as_no_known_column():
+    from eagle3_ray.ingest_formats import Reject, normalise
+
+    with pytest.raises(Reject) as err:
+        normalise({"prompt": None, "system": "Be brief."}, "first")
+    assert (err.value.reason, err.value.detail) == ("null_column", "prompt is null")
