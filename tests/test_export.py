@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from drafters import cached_run
+from drafters import attach, cached_run
 from eagle3_ray import contract, export, storage
 from eagle3_ray.config import config_from_dict
 
 
 def make_cfg(run_dir, verifier_dir: str, **export_fields):
-    return config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                             "verifier": {"path": verifier_dir, "max_model_len": 512},
-                             "export": export_fields})
+    return attach(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                                    "verifier": {"path": verifier_dir, "max_model_len": 512},
+                                    "export": export_fields}))
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +77,16 @@ def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exp
     last = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
     assert last["version"] != exported["version"] and last["checkpoint"]["epoch"] == 1
     again = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
-    assert again == last and "skip reason=already exported" in capsys.readouterr().out
+    assert again == last and "already_done" in capsys.readouterr().out
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
 
 
 def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama, tmp_path):
     bad_run = tmp_path / "bad"
-    shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"))
+    shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"), symlinks=True)
     best = storage.latest(str(run_dir), "train")["best"]["path"]
-    latest = storage.latest(str(run_dir), "train")
-    text = json.dumps(latest).replace(str(run_dir), str(bad_run))
-    (bad_run / "train" / "LATEST.json").write_text(text)
+    summary = bad_run / "train" / "v-test" / "summary.json"
+    summary.write_text(summary.read_text().replace(str(run_dir), str(bad_run)))
     config_path = bad_run / best.removeprefix(str(run_dir) + "/") / "config.json"
     config = json.loads(config_path.read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
@@ -115,3 +114,60 @@ def test_contract_says_which_side_says_what_for_norm_sizes_and_architecture(expo
     nested = {"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": {**verifier, "vocab_size": 99}}
     with pytest.raises(ValueError, match="vocab_size=99"):
         contract.check_contract(drafter, capture, nested, drafter_where="d", capture_where="c", verifier_where="v")
+
+
+def synthetic_drafter_config(**flags) -> dict:
+    """The parts of a speculators eagle3 config.json that the serving check reads."""
+    return {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+            "norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": False,
+            "transformer_layer_config": {"model_type": "llama", "hidden_size": 256},
+            "speculators_config": {"verifier": {"architectures": ["LlamaForCausalLM"]}}, **flags}
+
+
+def test_a_drafter_config_vllm_0_24_would_misread_is_refused_with_the_reason_and_the_fix():
+    config = synthetic_drafter_config(norm_output=True)
+    with pytest.raises(ValueError) as err:
+        contract.check_serving(config, "0.24.0", where="in d/config.json")
+    message = str(err.value)
+    assert message.startswith("vLLM 0.24.0 would silently misread the drafter in d/config.json")
+    assert "norm_output=True is not carried over by vLLM 0.24.0's speculators loader" in message
+    assert "the drafter would run with norm_output=False" in message
+    assert "export.serving_vllm_version=0.32" in message and "export.vllm_compat_layout=true" in message
+    assert "fc_norm" not in message.split("(it copies only")[0]  # fc_norm=False reads the same everywhere
+
+
+def test_the_same_drafter_config_passes_for_vllm_0_32_and_0_33_and_for_0_24_in_the_compat_layout():
+    config = synthetic_drafter_config(norm_output=True)
+    checked = contract.check_serving(config, "0.32.0", where="d")
+    assert checked["flags"]["norm_output"] is True and checked["rules"] == "vLLM >= 0.32"
+    assert contract.check_serving(config, "0.33.1", where="d")["rules"] == "vLLM >= 0.32"
+    compat = {**config, "transformer_layer_config": {**config["transformer_layer_config"], "norm_output": True}}
+    assert contract.check_serving(compat, "0.24", where="d")["flags"]["norm_output"] is True
+
+
+def test_vllm_0_24_refuses_a_deepseek_drafter_that_reads_the_final_layer_and_unknown_old_versions():
+    config = synthetic_drafter_config(eagle_aux_hidden_state_layer_ids=[2, 30, 61],
+                                      speculators_config={"verifier": {"architectures": ["DeepseekV3ForCausalLM"]}})
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM .* \(aux id 61\), which vLLM 0.24's DeepSeek-V2/V3 "
+                                         r"code cannot capture"):
+        contract.check_serving(config, "0.24", where="d", num_hidden_layers=61)
+    assert contract.check_serving(config, "0.32", where="d", num_hidden_layers=61)
+    with pytest.raises(ValueError, match=r"vLLM 0.20.1 is older than every supported serving vLLM"):
+        contract.check_serving(config, "0.20.1", where="d")
+
+
+def test_export_for_vllm_0_24_refuses_a_norm_output_drafter_and_its_compat_layout_serves_it(run_dir, tiny_llama):
+    with pytest.raises(ValueError, match=r"(?s)vLLM 0.24 would silently misread the drafter exported from "
+                                         r"\S+/best:\n  - norm_output=True is not carried over"):
+        export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24"))
+    summary = export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24", vllm_compat_layout=True))
+    config = storage.read_json(storage.join(summary["speculators_dir"], "config.json"))
+    assert config["norm_output"] is config["transformer_layer_config"]["norm_output"] is True
+    assert summary["serving_vllm"]["vllm_version"] == "0.24" and summary["serving_vllm"]["flags"]["norm_output"]
+    export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the default export for the other tests
+
+
+def test_export_records_the_installed_vllm_it_was_checked_against(exported):
+    assert exported["serving_vllm"]["vllm_version"] == contract.installed_vllm_version() == "0.32.0"
+    assert exported["serving_vllm"]["flags"] == {"norm_before_residual": True, "norm_before_fc": True,
+                                                "fc_norm": False, "norm_output": True}
