@@ -16,21 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_ray import storage
+from eagle3_ray import layers, storage
 
 # speculators' Eagle3DraftModel.forward computes its targets as verifier_lm_head(verifier_norm(last_hidden)): it applies
 # the verifier's final norm itself, so the stored final layer must be the residual stream *before* that norm.
 DRAFTER_FINAL_LAYER_NORM = "pre"
-TEXT_CONFIG_KEYS = ("text_config", "language_model", "llm_config", "thinker_config")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's config of a (possibly multimodal) HF config dict: `text_config`, `language_model`, ..."""
-    for key in TEXT_CONFIG_KEYS:
-        nested = config.get(key)
-        if isinstance(nested, dict) and "hidden_size" in nested:
-            return {**nested, "architectures": config.get("architectures")}
-    return config
+    """The text model's config of a (possibly multimodal) HF config dict, found by the same lookup as capture
+    (layers.text_config), with the top-level `architectures` that capture.json records."""
+    return {**layers.text_config(config), "architectures": config.get("architectures")}
 
 
 def drafter_facts(config: dict[str, Any]) -> dict[str, Any]:

@@ -12,29 +12,48 @@ from __future__ import annotations
 
 from typing import Any
 
-# Where multimodal / wrapper configs keep the language model's config (Llava, Qwen2.5-VL, Gemma3, InternVL, Kimi-VL,
-# ...). Searched in order, recursively, until a config with `num_hidden_layers` is found.
-NESTED_TEXT_CONFIG_KEYS = ("text_config", "language_model", "llm_config", "language_config", "text_model", "llm")
+# The keys transformers' `PreTrainedConfig.get_text_config()` looks under, which is what vLLM's
+# `get_hf_text_config` returns for a config object (Llava, Qwen2.5-VL, Gemma3, Kimi-VL, Kimi-K2.5: `text_config`).
+TRANSFORMERS_TEXT_CONFIG_KEYS = ("text_encoder", "decoder", "generator", "text_config")
+# Wrappers transformers does not know (remote-code configs: InternVL's `llm_config`, Qwen-Omni's `thinker_config`,
+# ...), searched in order, recursively, when the answer above has no `num_hidden_layers`.
+NESTED_TEXT_CONFIG_KEYS = ("language_model", "llm_config", "language_config", "text_model", "llm", "thinker_config",
+                           "text_config")
 
 
 def _get(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
+def _served_text_config(config: Any) -> Any:
+    """What vLLM serves as the text model: for a config object vLLM's own `get_hf_text_config` (the
+    `ModelConfig.hf_text_config` its model runner and aux-layer defaults use); for a config.json dict the same rule
+    on its keys (the first of TRANSFORMERS_TEXT_CONFIG_KEYS present, else the config itself)."""
+    if not isinstance(config, dict):
+        from vllm.transformers_utils.config import get_hf_text_config
+
+        return get_hf_text_config(config)
+    return next((config[k] for k in TRANSFORMERS_TEXT_CONFIG_KEYS if config.get(k) is not None), config)
+
+
 def text_config(config: Any) -> Any:
-    """The (possibly nested) language-model config that owns `num_hidden_layers`; a dict or a config object."""
-    if _get(config, "num_hidden_layers") is not None:
-        return config
+    """The language model's config that owns `num_hidden_layers` (a dict or a config object), however it is nested:
+    the config vLLM serves as the text model when it has layers, else the first wrapper key that leads to one. The
+    one lookup for capture (capture.json), export and evaluate (the contract check), so they cannot disagree."""
+    served = _served_text_config(config)
+    if _get(served, "num_hidden_layers") is not None:
+        return served
     for key in NESTED_TEXT_CONFIG_KEYS:
         inner = _get(config, key)
-        if inner is not None:
+        if inner is not None and inner is not config:
             try:
                 return text_config(inner)
             except ValueError:
                 continue
     keys = sorted(config.keys()) if isinstance(config, dict) else sorted(vars(config))
     raise ValueError(f"verifier config has no num_hidden_layers, at the top or under any of "
-                     f"{list(NESTED_TEXT_CONFIG_KEYS)}; top-level keys: {keys}")
+                     f"{list(dict.fromkeys(TRANSFORMERS_TEXT_CONFIG_KEYS + NESTED_TEXT_CONFIG_KEYS))}; "
+                     f"top-level keys: {keys}")
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
