@@ -1,5 +1,6 @@
 """The tiny verifiers built in code: ordinary HF model directories that transformers and the CPU build of vLLM load
-and generate with, identical for the same seed."""
+and generate with, identical for the same seed; the MLA + MoE one also inside Kimi-K2.5's multimodal wrapper
+(served by vLLM in tests/test_mla_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from safetensors.torch import load_file
 from eagle3_ray.tiny_verifier import CHAT_TEMPLATE, IM_END_ID, build_tiny_verifier
 
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory) -> dict[str, str]:
+    """The DeepSeek-V3-shaped verifier and its Kimi-K2.5-wrapped twin, built from the same seed."""
+    base = tmp_path_factory.mktemp("mla-verifiers")
+    return {arch: str(build_tiny_verifier(arch, base / arch)) for arch in ("deepseek_v3", "kimi")}
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +125,38 @@ def test_tiny_verifier_generates_in_cpu_vllm_with_the_chat_template(vllm_engine,
     # Greedy decoding is deterministic: the same request gives the same tokens.
     [again] = vllm_engine.chat([CHAT], params, use_tqdm=False)
     assert list(again.outputs[0].token_ids) == list(generated)
+
+
+def test_deepseek_v3_verifier_has_mla_moe_and_the_routing_bias_vllm_loads(tiny_mla):
+    config = json.loads(open(f"{tiny_mla['deepseek_v3']}/config.json").read())
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # the MLA head size vLLM's CPU kernels decode
+    assert config["q_lora_rank"] is None and config["first_k_dense_replace"] == 1
+    assert (config["n_routed_experts"], config["n_shared_experts"], config["num_experts_per_tok"]) == (8, 1, 2)
+    assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
+    weights = load_file(f"{tiny_mla['deepseek_v3']}/model.safetensors")
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights
+    assert "model.layers.0.mlp.gate_proj.weight" in weights and not any(".0.mlp.experts" in k for k in weights)
+    assert "model.layers.5.mlp.experts.7.down_proj.weight" in weights
+
+
+def test_kimi_verifier_nests_the_same_text_model_in_kimi_k25s_wrapper(tiny_mla):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(tiny_mla["kimi"])
+    assert config.model_type == "kimi_k25" and config.architectures == ["KimiK25ForConditionalGeneration"]
+    assert config.text_config.model_type == "deepseek_v3" and config.text_config.num_hidden_layers == 6
+    bare, wrapped = (load_file(f"{tiny_mla[a]}/model.safetensors") for a in ("deepseek_v3", "kimi"))
+    assert set(wrapped) == {f"language_model.{k}" for k in bare}
+    assert all(wrapped[f"language_model.{k}"].equal(v) for k, v in bare.items())
+
+    kimi = AutoModelForImageTextToText.from_pretrained(tiny_mla["kimi"], dtype=torch.float32).eval()
+    deepseek = AutoModelForCausalLM.from_pretrained(tiny_mla["deepseek_v3"], dtype=torch.float32).eval()
+    prompt = torch.tensor([[0, 3, 100, 200, 300, 4]])
+    with torch.no_grad():
+        assert torch.equal(kimi(input_ids=prompt).logits, deepseek(prompt).logits)
+
+
+def test_unknown_tiny_verifier_arch_names_the_ones_there_are(tmp_path):
+    with pytest.raises(ValueError, match=r"one of \['llama', 'qwen3', 'deepseek_v3', 'kimi'\], got 'mamba'"):
+        build_tiny_verifier("mamba", tmp_path / "v")
