@@ -9,8 +9,8 @@ What speculators' `Eagle3DraftModel.forward` gives back (speculators 0.9.0, mode
 `draft_tokens`, one [1, T] tensor of draft-vocab ids per TTT step. Step j's prediction at row position p belongs to
 the draft that *starts* at p (inputs shifted left by j, teacher-forced) and is scored against the target at p + j
 (`align_for_step`: logits[:, :-j] vs targets[:, j:]). Targets are argmax(verifier_lm_head(verifier_norm(last))),
-also draft-vocab ids. After speculators' `shift_batch`, position t holds (x[t+1], g[t]) and its target is the
-verifier's greedy x[t+2]:
+also draft-vocab ids, here with the verifier choices outside the draft vocab made unmatchable (`target_ids`).
+After speculators' `shift_batch`, position t holds (x[t+1], g[t]) and its target is the verifier's greedy x[t+2]:
 
     row position          p      p+1     p+2             (one document; loss mask taken at the target position)
     step 0 predicts       x[p+2]                         vs target[p]
@@ -36,9 +36,19 @@ def replay_lengths(num_speculative_tokens: list[int], ttt_steps: int) -> list[in
     return sorted({min(k, ttt_steps) for k in num_speculative_tokens})
 
 
-def target_ids(model, verifier_last_hidden_states: torch.Tensor) -> torch.Tensor:
-    """The verifier's greedy next tokens in draft-vocab ids, as speculators computes its targets. shape: [1, T]"""
-    return model.verifier_lm_head(model.verifier_norm(verifier_last_hidden_states)).argmax(dim=-1)
+def target_ids(model, verifier_last_hidden_states: torch.Tensor, input_ids: torch.Tensor,
+               document_ids: torch.Tensor) -> torch.Tensor:
+    """What each position's draft must match, in draft-vocab ids. shape: [1, T]
+
+    speculators' target is the argmax of the verifier head's draft-vocab rows; vLLM accepts a draft token only if it
+    is the verifier's own (full-vocab) choice. Where the row holds that token (the teacher-forced input one position
+    on: x[t+2], the verifier's own output when `generate.temperature` is 0) and the draft-vocab argmax maps
+    (d2t) to another token, the verifier's choice is outside the draft vocab: no draft matches it (-1)."""
+    restricted = model.verifier_lm_head(model.verifier_norm(verifier_last_hidden_states)).argmax(dim=-1)
+    as_target = restricted + model.d2t[restricted]  # draft id -> target id (d2t holds offsets)
+    next_tokens = torch.full_like(input_ids, -1)
+    next_tokens[:, :-1] = input_ids[:, 1:].masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -1)
+    return restricted.masked_fill((next_tokens >= 0) & (as_target != next_tokens), -1)
 
 
 def step_matches(draft_tokens: list[torch.Tensor], targets: torch.Tensor, loss_mask: torch.Tensor,

@@ -257,7 +257,8 @@ class Loop:
             tensors = _tensors(batch, self.device)
             with self.autocast:
                 draft, _loss, step_metrics = self.model(**tensors, **self.kwargs)
-                targets = acceptance.target_ids(self.raw, tensors["verifier_last_hidden_states"])
+                targets = acceptance.target_ids(self.raw, tensors["verifier_last_hidden_states"],
+                                                tensors["input_ids"], tensors["document_ids"])
             replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks)
             sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]), **replay)
         reduced = sums.reduce()

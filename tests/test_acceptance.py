@@ -86,3 +86,19 @@ def test_replay_counts_sum_over_batches_like_the_training_metrics():
 @pytest.mark.parametrize("ks, ttt_steps, expected", [([3], 3, [3]), ([1, 3, 5], 3, [1, 3]), ([4, 2], 2, [2])])
 def test_draft_lengths_beyond_the_trained_steps_are_replayed_at_ttt_steps(ks, ttt_steps, expected):
     assert acceptance.replay_lengths(ks, ttt_steps) == expected
+
+
+def test_a_verifier_choice_outside_the_draft_vocab_can_never_be_matched():
+    from types import SimpleNamespace
+
+    # draft vocab = target ids [10, 20, 30] (d2t offsets); the head's draft-vocab argmax is draft id 1 everywhere
+    head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    model = SimpleNamespace(verifier_lm_head=head, verifier_norm=torch.nn.Identity(),
+                            d2t=torch.tensor([10 - 0, 20 - 1, 30 - 2]))
+    input_ids = row([5, 6, 20, 99, 7])  # the verifier said 20 after position 1, then 99 (not draftable), ...
+    docs = row([0, 0, 0, 0, 1])
+    targets = acceptance.target_ids(model, torch.ones(1, 5, 2), input_ids, docs)
+    # position t's target is the token at t + 1: 6 (not 20: outside), 20 (ok), 99 (outside), doc end, row end
+    assert targets.tolist() == [[-1, 1, -1, 1, 1]]
