@@ -1,11 +1,14 @@
 """Conversations -> engine requests -> token ids, loss masks and captured hidden states (used by the engine actor).
 
-generate mode, one request per user turn, all samples of a unit batched per round:
-    round r: prompt = chat_template(history + user turn r, generation prompt) -> the verifier answers -> history
+generate mode, one request per user turn; each conversation advances on its own (engine_loop.py):
+    turn r: prompt = chat_template(history + user turn r, generation prompt) -> the verifier answers -> history
     Only the last turn's capture is kept (include_output_tokens), and it already holds the whole conversation:
-    capture costs no pass beyond the generation itself; earlier turns' captures are discarded. Stored tokens, with n = len(input_ids):
+    capture costs no pass beyond the generation itself; earlier turns' captures are discarded. Stored tokens, with
+    n = len(input_ids):
         input_ids  [p0 p1 ... p(m-1) | r0 r1 ... r(k-1)]      m prompt tokens (earlier turns inside), k response
         hidden     [h0 h1 ... h(m-1) | g0 ... g(k-2)]        T = n - 1: the last response token is never fed back
+two_pass mode: the same turns on a plain engine ("plain", nothing captured), then one prefill of input_ids[:-1]
+    (max_tokens=1): the same input_ids, loss_mask and T = n - 1 as generate mode, without capture during decode.
 capture_only mode: one prefill request (max_tokens=1) over the templated conversation; T = n.
 loss_mask is 1 on every assistant turn's tokens (content and its end-of-turn tokens), 0 elsewhere.
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -71,105 +74,117 @@ def request_seed(run_seed: int, sample_id: str, turn: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{run_seed}:{sample_id}:{turn}".encode()).digest()[:4], "little")
 
 
-class TurnRunner:
-    """Runs one unit's samples through the engine (`generate_fn(prompts, params) -> outputs`)."""
+class Conversation:
+    """One sample on its way through the engine: the request of each turn, then the record it commits as.
 
-    def __init__(self, encoder: ChatEncoder, generate_fn: Callable, cfg: Config, scratch: str, unit_id: str):
-        self.encoder, self.generate_fn, self.cfg = encoder, generate_fn, cfg
+    `kind`: "generate" (regenerate, capture the final turn with include_output_tokens), "plain" (regenerate without
+    capture: two_pass's first pass), "prefill" (capture one templated conversation, or given `input_ids`: two_pass's
+    second pass, which prefills input_ids[:-1] so that T = len(input_ids) - 1 as in generate mode).
+    `start()` and `on_output(out)` return the next request (request_id, prompt, SamplingParams) or None when done;
+    `discarded` collects earlier turns' capture files for the writer to delete."""
+
+    def __init__(self, sample: dict[str, Any], encoder: ChatEncoder, cfg: Config, scratch: str, unit_id: str,
+                 kind: str):
+        self.encoder, self.cfg, self.kind, self.unit_id = encoder, cfg, kind, unit_id
         self.dir = os.path.join(scratch, unit_id)
-        self.unit_id = unit_id
         self.max_model_len = cfg.verifier.max_model_len
+        self.record: dict[str, Any] = {"id": sample["id"], "unit_id": unit_id, "status": "ok",
+                                       "messages": sample["messages"], "source": sample.get("source")}
+        self.sample, self.turns, self.history, self.turn = sample, user_turns(sample["messages"]), [], 0
+        self.prompt: list[int] = []
+        self.capture_path: str | None = None
+        self.discarded: list[str] = []
 
-    def run(self, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        records = [self._record(s) for s in samples]
-        if self.cfg.generate.mode == "capture_only":
-            self._capture_only(records)
+    def start(self):
+        if self.sample.get("status") == "rejected":  # two_pass: rejected by the first pass
+            return _reject(self.record, self.sample["reason"], self.sample["detail"])
+        if self.kind == "prefill":
+            return self._prefill()
+        if not self.turns:
+            return _reject(self.record, "no_user_turn", "the conversation has no user message")
+        return self._turn_request()
+
+    def _turn_request(self):
+        self.history += self.turns[self.turn]
+        self.prompt = self.encoder.encode(self.history, True)
+        if not self._fits(self.prompt):
+            return None
+        last = self.turn == len(self.turns) - 1
+        capture = self.kind == "generate"
+        return self._request(self.prompt, self.cfg.generate.max_tokens, capture, include_output=last)
+
+    def on_output(self, out: Any):
+        completion = out.outputs[0]
+        self.history.append({"role": "assistant", "content": completion.text})
+        if self.kind == "prefill":
+            return None
+        if self.capture_path and self.turn < len(self.turns) - 1:
+            self.discarded.append(self.capture_path)
+        if self.turn == len(self.turns) - 1:
+            self._finish_generated(list(completion.token_ids), completion.finish_reason)
+            return None
+        self.turn += 1
+        return self._turn_request()
+
+    def _finish_generated(self, response: list[int], finish: str) -> None:
+        input_ids = self.prompt + response
+        spans = self.encoder.assistant_spans(self.history[:-1]) + [(len(self.prompt), len(input_ids))]
+        mask = loss_mask(spans, len(input_ids))
+        self.record.update(messages=self.history, input_ids=input_ids, loss_mask=mask, finish_reason=finish,
+                           num_response_tokens=sum(mask), num_prompt_tokens=len(input_ids) - sum(mask))
+        self.record["_num_captured"] = len(input_ids) - 1
+
+    def _prefill(self):
+        r = self.record
+        if self.sample.get("input_ids") is not None:  # two_pass: exactly the tokens the first pass generated
+            ids, mask, finish = self.sample["input_ids"], self.sample["loss_mask"], self.sample["finish_reason"]
+            prompt = ids[:-1]
         else:
-            self._regenerate(records)
-        for r in records:
-            if r["status"] == "ok":
-                self._attach_capture(r)
-        return records
+            ids = prompt = self.encoder.encode(r["messages"], False)
+            mask, finish = loss_mask(self.encoder.assistant_spans(r["messages"]), len(ids)), "capture_only"
+        if not self._fits(prompt):
+            return None
+        r.update(input_ids=ids, loss_mask=mask, finish_reason=finish, num_response_tokens=sum(mask),
+                 num_prompt_tokens=len(ids) - sum(mask), _num_captured=len(prompt))
+        return self._request(prompt, 1, capture=True, include_output=False)
 
-    def _record(self, s: dict[str, Any]) -> dict[str, Any]:
-        return {"id": s["id"], "unit_id": self.unit_id, "status": "ok", "messages": s["messages"],
-                "source": s.get("source"), "_turns": user_turns(s["messages"]), "_history": []}
-
-    def _params(self, r: dict[str, Any], turn: int, prompt_len: int, max_tokens: int):
+    def _request(self, prompt: list[int], max_tokens: int, capture: bool, include_output: bool):
         from vllm import SamplingParams
 
         gen = self.cfg.generate
-        path = os.path.join(self.dir, f"{r['id']}-{turn}.safetensors")
-        r["_path"] = path
-        return SamplingParams(temperature=gen.temperature, top_p=gen.top_p, seed=request_seed(self.cfg.run.seed, r["id"], turn),
-                              max_tokens=min(max_tokens, self.max_model_len - prompt_len),
-                              extra_args={"kv_transfer_params": {"hidden_states_path": path,
-                                                                 "include_output_tokens": gen.mode == "generate"}})
+        request_id = f"{self.unit_id}:{self.record['id']}:{self.turn}"
+        extra = None
+        if capture:
+            self.capture_path = os.path.join(self.dir, f"{self.record['id']}-{self.turn}.safetensors")
+            extra = {"kv_transfer_params": {"hidden_states_path": self.capture_path,
+                                            "include_output_tokens": include_output}}
+        params = SamplingParams(temperature=gen.temperature, top_p=gen.top_p,
+                                seed=request_seed(self.cfg.run.seed, self.record["id"], self.turn),
+                                max_tokens=min(max_tokens, self.max_model_len - len(prompt)), extra_args=extra)
+        return request_id, {"prompt_token_ids": prompt}, params
 
-    def _fits(self, r: dict[str, Any], prompt: list[int]) -> bool:
+    def _fits(self, prompt: list[int]) -> bool:
         if len(prompt) < self.max_model_len:
             return True
-        _reject(r, "context_too_long", f"{len(prompt)} prompt tokens >= verifier.max_model_len {self.max_model_len}")
+        _reject(self.record, "context_too_long",
+                f"{len(prompt)} prompt tokens >= verifier.max_model_len {self.max_model_len}")
         return False
 
-    def _regenerate(self, records: list[dict[str, Any]]) -> None:
-        for r in records:
-            if not r["_turns"]:
-                _reject(r, "no_user_turn", "the conversation has no user message")
-        turn = 0
-        while active := [r for r in records if r["status"] == "ok" and turn < len(r["_turns"])]:
-            prompts, params, batch = [], [], []
-            for r in active:
-                r["_history"] += r["_turns"][turn]
-                prompt = self.encoder.encode(r["_history"], True)
-                if self._fits(r, prompt):
-                    last = turn == len(r["_turns"]) - 1
-                    params.append(self._params(r, turn, len(prompt), self.cfg.generate.max_tokens))
-                    prompts.append({"prompt_token_ids": prompt})
-                    batch.append((r, prompt, last))
-            for (r, prompt, last), out in zip(batch, self.generate_fn(prompts, params)):
-                completion = out.outputs[0]
-                r["_history"].append({"role": "assistant", "content": completion.text})
-                if last:
-                    self._finish_generated(r, prompt, list(completion.token_ids), completion.finish_reason)
-                else:
-                    discard_capture(r["_path"])
-            turn += 1
 
-    def _finish_generated(self, r: dict[str, Any], prompt: list[int], response: list[int], finish: str) -> None:
-        input_ids = prompt + response
-        spans = self.encoder.assistant_spans(r["_history"][:-1]) + [(len(prompt), len(input_ids))]
-        r.update(messages=r["_history"], input_ids=input_ids, loss_mask=loss_mask(spans, len(input_ids)),
-                 finish_reason=finish, _num_captured=len(input_ids) - 1)
+def load_capture(record: dict[str, Any], path: str) -> torch.Tensor:
+    """The captured hidden states [T, num_layers, H] of a finished request, checked against the record's tokens;
+    the per-request file is deleted once read."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
 
-    def _capture_only(self, records: list[dict[str, Any]]) -> None:
-        prompts, params, batch = [], [], []
-        for r in records:
-            ids = self.encoder.encode(r["messages"], False)
-            if self._fits(r, ids):
-                r.update(input_ids=ids, loss_mask=loss_mask(self.encoder.assistant_spans(r["messages"]), len(ids)),
-                         finish_reason="capture_only", _num_captured=len(ids))
-                params.append(self._params(r, 0, len(ids), 1))
-                prompts.append({"prompt_token_ids": ids})
-                batch.append(r)
-        self.generate_fn(prompts, params)
-
-    def _attach_capture(self, r: dict[str, Any]) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
-
-        data = load_hidden_states(r["_path"])  # waits on the writer's file lock
-        cleanup_hidden_states(r["_path"])
-        hidden, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, num_layers, H], [T]
-        expected = torch.tensor(r["input_ids"][: r["_num_captured"]])
-        assert torch.equal(token_ids.cpu().long(), expected), f"{r['id']}: captured tokens differ from input_ids"
-        num_response = sum(r["loss_mask"])
-        r.update(_hidden_states=hidden, num_response_tokens=num_response,
-                 num_prompt_tokens=len(r["input_ids"]) - num_response)
-        for k in [k for k in r if k.startswith("_") and k != "_hidden_states"]:
-            del r[k]
+    data = load_hidden_states(path)  # waits on the connector writer's file lock
+    cleanup_hidden_states(path)
+    hidden, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, num_layers, H], [T]
+    expected = torch.tensor(record["input_ids"][: record.pop("_num_captured")])
+    assert torch.equal(token_ids.cpu().long(), expected), f"{record['id']}: captured tokens differ from input_ids"
+    return hidden
 
 
 def discard_capture(path: str) -> None:
@@ -187,3 +202,4 @@ def _reject(r: dict[str, Any], reason: str, detail: str) -> None:
     r.update(status="rejected", reason=reason, detail=detail)
     for k in [k for k in r if k.startswith("_")]:
         del r[k]
+    return None

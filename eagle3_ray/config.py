@@ -102,9 +102,32 @@ class IngestConfig:
 
 @dataclass(kw_only=True, slots=True)
 class GenerateConfig:
-    mode: Literal["generate", "capture_only"] = "generate"
-    """`generate`: regenerate responses with the verifier and capture hidden states in the same pass.
-    `capture_only`: conversations already have responses; only capture (a prefill pass)."""
+    mode: Literal["generate", "capture_only", "two_pass", "auto"] = "generate"
+    """`generate`: regenerate responses with the verifier and capture hidden states in the same pass (one engine,
+    capture during decode). `two_pass`: regenerate with a plain engine (no capture), then capture the finished
+    conversations with a prefill (same tokens, masks and T = len(input_ids) - 1 as `generate`; each replica loads
+    the model once per pass, one engine resident at a time). `capture_only`: conversations already have responses;
+    only capture (a prefill pass). `auto`: `two_pass` when the expected output tokens (max_tokens per turn, summed)
+    exceed `two_pass_min_output_ratio` x the prompt tokens of the pending samples, else `generate`."""
+    two_pass_min_output_ratio: float = 8.0
+    """`mode=auto` rule, from one H200 (8B-shaped, vLLM 0.24): decode d = 23.2k tok/s plain vs 0.61 d with capture;
+    capture prefill c = 40.4k tok/s. Per sample one pass costs O/(0.61 d), two passes O/d + (P+O)/c, so two passes
+    win when O > P (d/c) / (1/0.61 - 1 - d/c) ~ 8.8 P (P prompt, O output tokens; the prompt's own prefill is the
+    same in both). Rounded down to 8: a second engine start is not counted."""
+    units_in_flight: int = 8
+    """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
+    continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
+    capture_buffer_bytes: int = 4 << 30
+    """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus the
+    writer's queue), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to start
+    while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
+    scratch_dir: str = "auto"
+    """Where vLLM's connector writes per-request captures until the writer reads them: `auto` is /dev/shm (RAM) when
+    it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
+    max_zero_row_share: float = 0.5
+    """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample."""
+    max_nonfinite_values: int = 0
+    """Fail the unit when a captured layer of one sample holds more NaN/inf values than this."""
     num_replicas: int = 1
     """Engine replicas (Ray actors), each with its own vLLM engine."""
     max_replicas: int | None = None
@@ -145,6 +168,11 @@ class GenerateConfig:
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _check(self.max_tokens > 0, "generate.max_tokens", "must be > 0")
         _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")
+        _check(self.units_in_flight >= 1, "generate.units_in_flight", "must be >= 1")
+        _check(self.capture_buffer_bytes > 0, "generate.capture_buffer_bytes", "must be > 0")
+        _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
+        _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
+        _check(self.two_pass_min_output_ratio > 0, "generate.two_pass_min_output_ratio", "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)

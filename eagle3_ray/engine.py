@@ -1,15 +1,23 @@
-"""The engine actor of the generate stage: one vLLM engine per replica that regenerates responses and captures the
-verifier's hidden states in the same pass, then commits each work unit as shards plus one part file.
+"""The engine actor of the generate stage (and of online training): one vLLM engine per replica, kept full with the
+requests of `generate.units_in_flight` units at once, committing each unit through a background writer.
+
+    Ray Data (async actor, max_concurrency = units_in_flight) --unit--> EngineActor.__call__ (a coroutine per unit)
+        -> chat.Conversation per sample -> engine_loop.RequestLoop (one thread: add_request/step, continuous batching)
+        -> all of a unit's requests finished -> commit.CaptureWriter (thread) -> sink (shards + part, or stream rows)
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
 
-A unit is committed when `parts/{unit_id}.parquet` exists: shards are written first (atomically, names derived from
-the unit id), the part file last. A retried unit whose part already exists is not redone.
+A unit is committed when its sink's record exists (`parts/{unit_id}.parquet` for shards); a retried unit whose
+record exists is not redone. Host memory: captured bytes not yet committed stay under generate.capture_buffer_bytes
+(ByteBudget), the per-request files live in RAM (/dev/shm) and are read once, so hidden states reach durable
+storage once, as shards.
 """
 
 from __future__ import annotations
 
+import asyncio
+import glob
 import json
 import os
 import shutil
@@ -19,40 +27,31 @@ import time
 import uuid
 from typing import Any
 
-import pyarrow as pa
-import torch
-
-from eagle3_ray import chat, shards, storage, telemetry
+from eagle3_ray import chat, commit, storage, telemetry
 from eagle3_ray.config import Config, config_from_dict
 from eagle3_ray.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from eagle3_ray.engine_loop import ByteBudget, RequestLoop
 from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
-PART_SCHEMA = pa.schema([
-    ("id", pa.string()), ("unit_id", pa.string()), ("status", pa.string()),  # status: "ok" or "rejected"
-    ("reason", pa.string()), ("detail", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-    ("num_prompt_tokens", pa.int32()), ("num_response_tokens", pa.int32()),
-    ("finish_reason", pa.string()), ("source", pa.string()),
-    *[(f.name, f.type) for f in shards.MANIFEST_SCHEMA if f.name != "id"],
-])
-SUMMARY_KEYS = ("id", "unit_id", "status", "num_tokens", "num_bytes")
+START_ERROR = "generate: the vLLM engine failed to start"
 
 
-def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str) -> dict[str, Any]:
-    """Arguments for `vllm.LLM`: the verifier plus hidden-state capture through the project's connector."""
+def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str,
+                  capture: bool = True) -> dict[str, Any]:
+    """Arguments for `vllm.LLM`: the verifier plus hidden-state capture through the project's connector;
+    `capture=False` is the plain engine of two_pass's first pass (no extract_hidden_states, no connector)."""
     gen = cfg.generate
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         model=verifier_path, dtype=cfg.verifier.dtype, max_model_len=cfg.verifier.max_model_len,
         trust_remote_code=cfg.verifier.trust_remote_code, seed=cfg.run.seed,
-        tensor_parallel_size=gen.tensor_parallel_size,
-        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}},
-        kv_transfer_config={"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
-                            "kv_role": "kv_producer",
-                            "kv_connector_extra_config": {"shared_storage_path": scratch_dir,
-                                                          "allow_custom_save_path": True}},
-    )
+        tensor_parallel_size=gen.tensor_parallel_size)
+    if capture:
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": scratch_dir, "allow_custom_save_path": True}}
     if gen.tensor_parallel_size > 1:
         # GPU: workers are Ray actors inside the replica's placement group (captured from the engine actor). vLLM's
         # CPU build refuses the Ray executor ("current platform cpu does not support ray"): its TP workers are
@@ -88,41 +87,86 @@ def prepare_engine_env(cfg: Config) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
 
 
-def _scratch_dir(out_dir: str) -> str:
-    """Where vLLM writes per-request capture files: private to this actor incarnation, so replicas and restarts
-    never collide. Local output dirs keep it beside the output; remote ones use the node's temp dir."""
-    name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if "://" in out_dir:
-        return tempfile.mkdtemp(prefix=f"eagle3-capture-{name}-")
-    path = os.path.join(out_dir, "_scratch", name)
-    os.makedirs(path, exist_ok=True)
-    return path
+def scratch_dir(cfg: Config, prefix: str) -> str:
+    """Where vLLM writes per-request capture files until the writer reads them: private to this actor incarnation
+    (pid + random suffix), so replicas and restarts never collide. In RAM (/dev/shm) when it has room for the
+    capture budget: the hidden states then reach durable storage once, as shards."""
+    root = cfg.generate.scratch_dir
+    if root == "auto":
+        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+        root = "/dev/shm" if shm_free >= cfg.generate.capture_buffer_bytes else tempfile.gettempdir()
+    remove_dead_scratch(root, prefix)
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}-", dir=root)
 
 
-class CaptureEngine:
-    """Ray Data actor: `__init__` loads the engine once; `__call__` takes units (`unit_id`, `samples_json`) and
-    returns one summary row per sample (SUMMARY_KEYS)."""
+def remove_dead_scratch(root: str, prefix: str) -> None:
+    """Capture files left by engine actors of this node that were killed mid-unit (their pid is in the name)."""
+    import psutil
 
-    def __init__(self, cfg_dict: dict[str, Any], verifier_path: str, layer_ids: list[int], out_dir: str):
+    for path in glob.glob(os.path.join(root, f"{prefix}-*-*")):
+        pid = path[len(os.path.join(root, prefix)) + 1:].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def start_llm(cfg: Config, verifier_path: str, kwargs: dict[str, Any]):
+    """`vllm.LLM(**kwargs)`; a failure names the verifier and the user's engine_kwargs (the stage shows it)."""
+    from vllm import LLM
+
+    prepare_engine_env(cfg)
+    try:
+        return LLM(**kwargs)
+    except Exception as e:  # surfaced by the driver as the stage's error
+        raise RuntimeError(f"{START_ERROR} (verifier {verifier_path}, engine_kwargs {cfg.generate.engine_kwargs}): "
+                           f"{type(e).__name__}: {e}") from e
+
+
+class EngineActor:
+    """Ray Data actor (async: many units at once). `__init__` loads the engine once; `__call__` takes units
+    (`unit_id`, `samples_json`, `num_tokens`: the planner's token budget) and returns the sink's rows.
+
+    `kind`: "generate" (capture during decode), "prefill" (capture_only, two_pass's capture pass) or "plain"
+    (two_pass's first pass: no capture engine). The sink commits a unit (commit.ShardSink, GeneratedSink, or the
+    online StreamSink); subclasses pick the sink and the output columns."""
+
+    columns = commit.SUMMARY_KEYS
+    scratch_prefix = "eagle3-capture"
+
+    def __init__(self, cfg_dict: dict[str, Any], verifier_path: str, layer_ids: list[int], out_dir: str,
+                 kind: str = "generate"):
         from transformers import AutoTokenizer
-        from vllm import LLM
 
         self.cfg = config_from_dict(cfg_dict)
         verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
-        self.layer_ids, self.out_dir = layer_ids, out_dir
-        self.scratch = _scratch_dir(out_dir)
-        args = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch)
-        prepare_engine_env(self.cfg)
-        try:
-            self.llm = LLM(**args)
-        except Exception as e:  # surfaced by the driver as the stage's error
-            raise RuntimeError(f"generate: the vLLM engine failed to start (verifier {verifier_path}, "
-                               f"engine_kwargs {self.cfg.generate.engine_kwargs}): {type(e).__name__}: {e}") from e
-        self.tokenizer = AutoTokenizer.from_pretrained(verifier_path,
-                                                       trust_remote_code=self.cfg.verifier.trust_remote_code)
-        self.chat = chat.ChatEncoder(self.tokenizer, self.cfg.generate.enable_thinking)
+        self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
+        self.scratch = scratch_dir(self.cfg, self.scratch_prefix)
+        kwargs = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch, capture=kind != "plain")
+        self.llm = start_llm(self.cfg, verifier_path, kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code)
+        self.chat = chat.ChatEncoder(tokenizer, self.cfg.generate.enable_thinking)
+        self.sink = self.make_sink()
+        self.bytes_per_token = self._bytes_per_token(verifier_path) if kind != "plain" else 0
+        self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
+        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype)
+        self.requests = RequestLoop(self.llm.llm_engine)
         engine_procs = self._record_pids()
         threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
+
+    def make_sink(self):
+        if self.kind == "plain":
+            return commit.GeneratedSink(self.out_dir)
+        return commit.ShardSink(self.cfg, self.out_dir, self.layer_ids)
+
+    def _bytes_per_token(self, verifier_path: str) -> int:
+        """Scratch bytes of one captured token: layers x hidden x the model dtype (what the connector writes)."""
+        from transformers import AutoConfig
+
+        from eagle3_ray.layers import text_config
+
+        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code))
+        itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
+        return len(self.layer_ids) * hf.hidden_size * itemsize
 
     def _record_pids(self) -> list:
         """engines/<incarnation>.json: this actor's and its engine processes' pids, for operators (and the fault
@@ -130,56 +174,70 @@ class CaptureEngine:
         import psutil
 
         children = psutil.Process().children(recursive=True)
-        info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch}
+        info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch,
+                "kind": self.kind}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
-        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"])
+        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
         return [p for p in children if "VLLM" in p.name() + " ".join(p.cmdline())]
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
-        rows: list[dict[str, Any]] = []
-        for unit_id, samples_json in zip(batch["unit_id"], batch["samples_json"]):
-            rows += self.process_unit(str(unit_id), json.loads(str(samples_json)))
-        return {k: [r[k] for r in rows] for k in SUMMARY_KEYS}
+    async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        # num_tokens: the planner's token budget of the unit (absent: every sample at max_model_len)
+        units = [(str(u), json.loads(str(s))) for u, s in zip(batch["unit_id"], batch["samples_json"])]
+        budgets = batch["num_tokens"] if "num_tokens" in batch else \
+            [len(s) * self.cfg.verifier.max_model_len for _, s in units]
+        results = await asyncio.gather(*(self.process_unit(u, s, int(n)) for (u, s), n in zip(units, budgets)))
+        rows = [row for unit_rows in results for row in unit_rows]
+        return {k: [r[k] for r in rows] for k in self.columns}
 
-    def process_unit(self, unit_id: str, samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        part_uri = storage.join(self.out_dir, "parts", f"{unit_id}.parquet")
-        if storage.exists(part_uri):  # a retry of a unit that committed before its actor died
-            return _summaries(storage.read_parquet(part_uri).to_pylist(), {})
-        runner = chat.TurnRunner(self.chat, self._generate, self.cfg, self.scratch, unit_id)
-        records = runner.run(samples)
-        shard_bytes = self._write_shards(unit_id, records)
-        storage.write_parquet_atomic(part_uri, pa.Table.from_pylist(records, schema=PART_SCHEMA))
-        shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
-        return _summaries(records, shard_bytes)
-
-    def _generate(self, prompts: list[dict], params: list) -> list:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
+    async def process_unit(self, unit_id: str, samples: list[dict[str, Any]], num_tokens: int) -> list[dict]:
+        done = self.sink.committed(unit_id)
+        if done is not None:  # a retry of a unit that committed before its actor died
+            return done
+        num_bytes = num_tokens * self.bytes_per_token
+        await self.budget.acquire(num_bytes, unit_id)
         try:
-            return self.llm.generate(prompts, params, use_tqdm=False)
-        except EngineDeadError as e:
-            # The engine process is gone and this LLM cannot recover. Exiting the actor process makes Ray restart
-            # it (Ray Data actors: max_restarts=-1, max_task_retries=-1) and retry the unit on a fresh engine.
-            telemetry.log("generate", "engine_dead", pid=os.getpid(), error=repr(e))
-            os._exit(1)
+            convs = await self._run_conversations(unit_id, samples)
+            rows = await self.writer.commit(unit_id, convs, self.sink)
+        finally:
+            await self.budget.release(num_bytes)
+        shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
+        return rows
 
-    def _write_shards(self, unit_id: str, records: list[dict[str, Any]]) -> dict[str, int]:
-        """Encode captured samples, group them by bytes, write each shard atomically; fill the manifest columns."""
-        dtype = self.cfg.generate.hidden_states_dtype
-        ok = [r for r in records if r["status"] == "ok"]
-        encoded = [_encode(r["id"], r.pop("_hidden_states"), dtype) for r in ok]
-        groups = shards.ShardPlan(self.cfg.generate.shard_max_bytes).split([shards.tensor_bytes(t) for t in encoded])
-        shard_bytes: dict[str, int] = {}
-        for j, group in enumerate(groups):
-            name = f"{unit_id}-{j:04d}.safetensors"
-            tensors = {k: v for i in group for k, v in encoded[i].items()}
-            shard_bytes[name] = shards.write_shard(storage.join(self.out_dir, "shards", name), tensors,
-                                                   metadata={"unit_id": unit_id})
-            for i in group:
-                hs = encoded[i][f"{ok[i]['id']}.hs"]
-                ok[i].update(shard=name, key=ok[i]["id"], num_tokens=hs.shape[0], hidden_size=hs.shape[2],
-                             dtype=str(hs.dtype).removeprefix("torch."), layer_ids=self.layer_ids)
-        return shard_bytes
+    def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]]) -> asyncio.Future:
+        """Submit every conversation's first request; the future resolves when all of them have finished."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        convs = [chat.Conversation(s, self.chat, self.cfg, self.scratch, unit_id, self.kind) for s in samples]
+        left = [len(convs)]
+
+        def advance(conv: chat.Conversation, request) -> list:
+            if request is not None:
+                return [(*request, lambda out: step(conv, out))]
+            left[0] -= 1
+            if left[0] == 0:
+                loop.call_soon_threadsafe(_resolve, future, convs, None)
+            return []
+
+        def step(conv: chat.Conversation, out) -> list:
+            try:
+                follow = advance(conv, conv.on_output(out))
+            except Exception as e:  # a broken conversation fails its unit, not the engine loop
+                loop.call_soon_threadsafe(_resolve, future, None, e)
+                return []
+            self.writer.discard(conv.discarded)
+            conv.discarded = []
+            return follow
+
+        first = [req for conv in convs for req in advance(conv, conv.start())]
+        if not convs:
+            future.set_result([])
+        self.requests.submit(first)
+        return future
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error else future.set_result(result)
 
 
 def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
@@ -198,23 +256,3 @@ def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
                 telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
                 os._exit(1)
         time.sleep(poll_s)
-
-
-def _encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    if dtype == "float32":  # exact storage, for checks against a reference forward pass
-        return {f"{key}.hs": hidden_states.float().contiguous()}
-    return shards.encode_sample(key, hidden_states, dtype)
-
-
-def _summaries(records: list[dict[str, Any]], shard_bytes: dict[str, int]) -> list[dict[str, Any]]:
-    """One row per sample; a shard's bytes are counted once, on the first sample stored in it."""
-    seen: set[str] = set()
-    out = []
-    for r in records:
-        num_bytes = 0
-        if r.get("shard") and r["shard"] not in seen:
-            seen.add(r["shard"])
-            num_bytes = shard_bytes.get(r["shard"], 0)
-        out.append({"id": r["id"], "unit_id": r["unit_id"], "status": r["status"],
-                    "num_tokens": r.get("num_tokens") or 0, "num_bytes": num_bytes})
-    return out

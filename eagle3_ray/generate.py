@@ -2,8 +2,8 @@
 
     python ray_jobs/generate.py ray_jobs/configs/tiny_cpu.yaml generate.max_tokens=64
 
-Reads the latest ingest output, plans token-bounded work units, streams them through a pool of CaptureEngine actors
-(one vLLM engine each) and writes `generate/{version}/` as docs/stages.md describes. Every unit commits as
+Reads the latest ingest output, plans token-bounded work units, streams them through a pool of EngineActor actors
+(one vLLM engine each, many units in flight; two_pass: a plain pool, then a capture pool) and writes `generate/{version}/` as docs/stages.md describes. Every unit commits as
 shards + `parts/{unit}.parquet`; a re-run skips committed samples, so a killed job resumes where it stopped.
 """
 
@@ -26,7 +26,8 @@ from eagle3_ray.tiny_verifier import verifier_dir
 
 STAGE = "generate"
 # Fields that change how fast, not what is written: a new replica count resumes the same version.
-NOT_IN_VERSION = ("num_replicas", "max_replicas", "num_cpus_per_replica")
+NOT_IN_VERSION = ("num_replicas", "max_replicas", "num_cpus_per_replica", "units_in_flight",
+                  "capture_buffer_bytes", "scratch_dir")
 
 
 @dataclass(slots=True)
@@ -136,21 +137,75 @@ def _encoder(verifier_path: str, cfg: Config):
 
 
 def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list[int], out: str) -> dict[str, Any]:
-    """Stream units through the engine pool, logging progress as summaries come back."""
+    """Stream units through the engine pool(s), logging progress as summaries come back. `generate` and
+    `capture_only` run one pool; `two_pass` runs a plain pool over the units not yet regenerated, then (that pool
+    gone, its GPUs free) a capture pool over the regenerated conversations."""
+    mode = resolve_mode(cfg, units)
+    if mode != "two_pass":
+        kind = "prefill" if mode == "capture_only" else "generate"
+        return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}
+    generated = generated_records(out)
+    todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
+    first = _run_pool(cfg, todo, "plain", verifier_path, layer_ids, out) if todo else {}
+    generated = generated_records(out)
+    second = [Unit(u.unit_id, [generated[s["id"]] for s in u.samples], u.num_tokens) for u in units]
+    totals = _run_pool(cfg, second, "prefill", verifier_path, layer_ids, out)
+    storage.delete(storage.join(out, "generated"))  # every first-pass record is captured in a part by now
+    return {**totals, "first_pass": first, "mode": mode}
+
+
+def resolve_mode(cfg: Config, units: list[Unit]) -> str:
+    """`auto` -> two_pass when the pending samples' output tokens (max_tokens per user turn) exceed
+    generate.two_pass_min_output_ratio x their prompt tokens (the rule and its numbers: GenerateConfig.mode)."""
+    gen = cfg.generate
+    if gen.mode != "auto":
+        return gen.mode
+    from eagle3_ray.chat import user_turns
+
+    output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
+    prompt = sum(u.num_tokens for u in units) - output
+    mode = "two_pass" if output > gen.two_pass_min_output_ratio * max(prompt, 1) else "generate"
+    telemetry.log(STAGE, "auto_mode", mode=mode, output_tokens=output, prompt_tokens=prompt,
+                  min_output_ratio=gen.two_pass_min_output_ratio)
+    return mode
+
+
+def generated_records(out: str) -> dict[str, dict[str, Any]]:
+    """two_pass's first-pass records by sample id (`generated/*.parquet`): a regenerated conversation with its
+    input_ids and loss_mask, or a reject; a sample found twice (a unit retried after commit) keeps one."""
+    files = storage.list_files(storage.join(out, "generated"), ".parquet")
+    rows = [r for f in sorted(files) for r in storage.read_parquet(f).to_pylist()]
+    return {r["id"]: r for r in reversed(rows)}
+
+
+def engine_pool_args(cfg: Config, created_pgs: list) -> dict[str, Any]:
+    """map_batches arguments of an engine pool: one async actor per replica (EngineActor.__call__ is a coroutine)
+    working on `units_in_flight` units at once: Ray Data sends that many one-unit tasks to each actor and Ray Core
+    runs them concurrently on the actor's event loop (what ray.data.llm does with max_concurrency; Ray 2.60 names
+    it max_concurrent_calls_per_actor). With the replica's resources or placement group (placement_args)."""
     import ray
 
-    from eagle3_ray.engine import CaptureEngine
-
-    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples)} for u in units]
     gen = cfg.generate
+    compute = ray.data.ActorPoolStrategy(min_size=gen.num_replicas, max_size=gen.max_replicas or gen.num_replicas,
+                                         max_tasks_in_flight_per_actor=gen.units_in_flight,
+                                         max_concurrent_calls_per_actor=gen.units_in_flight)
+    return {"batch_size": 1, "compute": compute, **placement_args(cfg, created_pgs)}
+
+
+def _run_pool(cfg: Config, units: list[Unit], kind: str, verifier_path: str, layer_ids: list[int],
+              out: str) -> dict[str, Any]:
+    import ray
+
+    from eagle3_ray.engine import EngineActor
+
+    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens}
+             for u in units]
     created_pgs: list = []
     ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        CaptureEngine, batch_size=1,
-        compute=ray.data.ActorPoolStrategy(min_size=gen.num_replicas, max_size=gen.max_replicas or gen.num_replicas),
-        fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "verifier_path": verifier_path, "layer_ids": layer_ids,
-                               "out_dir": out},
-        **placement_args(cfg, created_pgs))
-    progress = _Progress(cfg, sum(len(u.samples) for u in units))
+        EngineActor, fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "verifier_path": verifier_path,
+                                            "layer_ids": layer_ids, "out_dir": out, "kind": kind},
+        **engine_pool_args(cfg, created_pgs))
+    progress = _Progress(cfg, sum(len(u.samples) for u in units), kind)
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             progress.add(batch.to_pylist())
@@ -165,13 +220,16 @@ def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list
 def _root_message(e: BaseException) -> str:
     """The innermost error that says what went wrong (Ray wraps actor errors several times)."""
     text = str(e)
-    marker = "generate: the vLLM engine failed to start"
-    return text[text.index(marker):].splitlines()[0] if marker in text else f"{type(e).__name__}: {text[:2000]}"
+    for marker in ("generate: the vLLM engine failed to start", "generate: capture check failed"):
+        if marker in text:
+            return text[text.index(marker):].splitlines()[0]
+    return f"{type(e).__name__}: {text[:2000]}"
 
 
 class _Progress:
-    def __init__(self, cfg: Config, num_samples: int):
+    def __init__(self, cfg: Config, num_samples: int, kind: str):
         self.tags = {"stage": STAGE, "run": cfg.run.name}
+        self.kind = kind
         self.meter = telemetry.RateMeter()
         self.num_samples, self.done, self.rejected, self.tokens, self.bytes = num_samples, 0, 0, 0, 0
 
@@ -185,8 +243,9 @@ class _Progress:
         for name, value in (("samples_total", len(ok)), ("captured_tokens_total", tokens), ("shard_bytes_total", nbytes)):
             if value > 0:  # Ray counters reject non-positive increments
                 telemetry.metrics.counter(name, f"generate: {name}").inc(value, tags=self.tags)
-        telemetry.log(STAGE, "progress", samples=f"{self.done}/{self.num_samples}", rejected=self.rejected,
+        telemetry.log(STAGE, "progress", engine=self.kind, samples=f"{self.done}/{self.num_samples}", rejected=self.rejected,
                       tokens=self.tokens, tokens_per_s=self.meter.per_s(self.tokens), bytes_written=self.bytes)
 
     def totals(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "bytes": self.bytes, "samples": self.done, "rejected": self.rejected}
+        return {"tokens": self.tokens, "bytes": self.bytes, "samples": self.done, "rejected": self.rejected,
+                "wall_s": self.meter.elapsed_s}

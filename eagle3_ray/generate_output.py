@@ -53,7 +53,7 @@ def clean_orphans(out: str) -> None:
     parts = _parts(out)
     referenced = set() if parts is None else {s for s in parts["shard"].to_pylist() if s}
     removed = 0
-    for sub in ("shards", "parts"):
+    for sub in ("shards", "parts", "generated"):
         for uri in storage.list_files(storage.join(out, sub)):
             name = uri.rsplit("/", 1)[-1]
             if ".tmp-" in name or (sub == "shards" and name not in referenced):
@@ -110,4 +110,21 @@ def _summary(out: str, rows_in: int, manifest: pa.Table, rejects: pa.Table, proc
             "reject_reasons": {r["values"]: r["counts"] for r in reasons}, "num_shards": len(shard_files),
             "captured_tokens": tokens, "shard_bytes": total_bytes, "bytes_per_token": total_bytes / max(tokens, 1),
             "run_wall_s": wall_s, "run_samples": processed.get("samples", 0), "run_tokens": processed["tokens"],
-            "run_tokens_per_s": processed["tokens"] / max(wall_s, 1e-9)}
+            "run_tokens_per_s": processed["tokens"] / max(wall_s, 1e-9),
+            "run_mode": processed.get("mode"), "capture_stats": capture_stats_summary(out)}
+
+
+def capture_stats_summary(out: str) -> dict[str, dict]:
+    """Per captured layer over every committed sample: share of all-zero token rows, non-finite values, token-row
+    L2 norm mean/min/max (from the parts' hs_* columns, written as each sample was encoded)."""
+    parts = _parts(out)
+    if parts is None or "hs_zero_rows" not in parts.column_names:
+        return {}
+    parts = _one_row_per_id(parts)
+    ok = parts.filter(pc.equal(parts["status"], "ok"))
+    if not ok.num_rows:
+        return {}
+    rows = ok.select(["num_tokens", "layer_ids", "hs_zero_rows", "hs_nonfinite", "hs_norm_sum", "hs_norm_min",
+                      "hs_norm_max"]).to_pylist()
+    per_sample = [{k.removeprefix("hs_"): r[k] for k in r if k.startswith("hs_")} for r in rows]
+    return shards.aggregate_stats(per_sample, [r["num_tokens"] for r in rows], rows[0]["layer_ids"])

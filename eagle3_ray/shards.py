@@ -119,3 +119,48 @@ def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) ->
     if hs.dtype == torch.float8_e4m3fn:
         return dequantize_fp8(hs, scale, dtype)
     return hs.to(dtype)
+
+
+def capture_stats(hidden_states: torch.Tensor) -> dict[str, list]:
+    """Per-layer sanity numbers of one captured sample, hidden_states [T, L, H]:
+    `zero_rows` [L] tokens whose whole row is 0, `nonfinite` [L] NaN/inf values, and over each layer's token rows
+    `norm_sum`, `norm_min`, `norm_max` [L] of the L2 norm (non-finite rows left out)."""
+    hs = hidden_states.float()
+    finite = torch.isfinite(hs)  # shape: [T, L, H]
+    rows_finite = finite.all(dim=-1)  # shape: [T, L]
+    norms = torch.where(rows_finite, torch.nan_to_num(hs).norm(dim=-1), torch.nan)  # shape: [T, L]
+    return {"zero_rows": (hs == 0).all(dim=-1).sum(dim=0).tolist(),
+            "nonfinite": (~finite).sum(dim=(0, 2)).tolist(),
+            "norm_sum": torch.nansum(norms, dim=0).tolist(),
+            "norm_min": torch.where(rows_finite, norms, torch.inf).amin(dim=0).tolist(),
+            "norm_max": torch.where(rows_finite, norms, -torch.inf).amax(dim=0).tolist()}
+
+
+def capture_problem(stats: dict[str, list], num_tokens: int, layer_ids: list[int], *, max_zero_row_share: float,
+                    max_nonfinite_values: int) -> str | None:
+    """What is wrong with a sample's capture (from `capture_stats`), naming the layer id, or None. vLLM has handed
+    out all-zero and NaN hidden states for some architectures (wrong cache-group slot mapping); such a capture
+    trains a drafter that never matches the verifier, so it must stop the stage, not reach the shards."""
+    for j, layer in enumerate(layer_ids):
+        if stats["nonfinite"][j] > max_nonfinite_values:
+            return f"layer {layer}: {stats['nonfinite'][j]} non-finite values (allowed {max_nonfinite_values})"
+        share = stats["zero_rows"][j] / max(num_tokens, 1)
+        if share > max_zero_row_share:
+            return (f"layer {layer}: {stats['zero_rows'][j]} of {num_tokens} token rows are all zero "
+                    f"({share:.2f} > generate.max_zero_row_share {max_zero_row_share})")
+    return None
+
+
+def aggregate_stats(per_sample: list[dict[str, list]], num_tokens: list[int], layer_ids: list[int]) -> dict:
+    """Per-layer totals over samples (`capture_stats` dicts and their token counts): zero-row share, non-finite
+    values, norm mean/min/max, keyed by layer id."""
+    total = max(sum(num_tokens), 1)
+    out = {}
+    for j, layer in enumerate(layer_ids):
+        out[str(layer)] = {
+            "zero_row_share": sum(s["zero_rows"][j] for s in per_sample) / total,
+            "nonfinite": int(sum(s["nonfinite"][j] for s in per_sample)),
+            "norm_mean": sum(s["norm_sum"][j] for s in per_sample) / total,
+            "norm_min": min((s["norm_min"][j] for s in per_sample), default=None),
+            "norm_max": max((s["norm_max"][j] for s in per_sample), default=None)}
+    return out

@@ -283,3 +283,109 @@ def test_engine_that_cannot_start_fails_the_stage_with_a_clear_message(tmp_path,
     ingest(cfg, tiny_llama, num_single=2, num_multi=0)
     with pytest.raises(RuntimeError, match="vLLM engine failed to start"):
         run(cfg)
+
+
+def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample_shard_and_layer(tmp_path):
+    from eagle3_ray.commit import CaptureCheckError, check_sample
+
+    hs = torch.randn(10, 3, 8)  # shape: [T, L, H]
+    hs[2:8, 1] = 0  # 6 of 10 token rows of layer 3 are all zero
+    stats = shards.capture_stats(hs)
+    assert stats["zero_rows"] == [0, 6, 0] and stats["nonfinite"] == [0, 0, 0]
+    record = {"id": "s1", "unit_id": "u1", "num_tokens": 10}
+    cfg = make_cfg(tmp_path, "unused")
+    with pytest.raises(CaptureCheckError, match=r"sample s1 \(unit u1, shard u1-0000.safetensors\) layer 3: 6 of 10"):
+        check_sample(cfg, record, stats, [1, 3, 6], "u1-0000.safetensors")
+    check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
+    hs[0, 2, 5] = float("nan")
+    with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
+        check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x")
+    totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
+    assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
+
+
+def test_generate_summary_records_per_layer_capture_stats(fp32_run):
+    stats = fp32_run[2]["capture_stats"]
+    assert sorted(stats) == ["1", "3", "4", "6"]
+    for layer in stats.values():
+        assert layer["zero_row_share"] == 0 and layer["nonfinite"] == 0
+        assert 0 < layer["norm_min"] <= layer["norm_mean"] <= layer["norm_max"]
+
+
+def test_auto_mode_picks_two_pass_only_when_outputs_are_much_longer_than_prompts(tmp_path):
+    from eagle3_ray.generate import Unit, resolve_mode
+
+    sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
+    short = make_cfg(tmp_path, "unused", mode="auto", max_tokens=256)
+    long = make_cfg(tmp_path, "unused", mode="auto", max_tokens=2048)
+    # 43 prompt tokens (the builtin prompts' mean) + max_tokens: the H200 workloads of issue 14
+    assert resolve_mode(short, [Unit("u", [sample], 43 + 256)]) == "generate"
+    assert resolve_mode(long, [Unit("u", [sample], 43 + 2048)]) == "two_pass"
+    assert resolve_mode(make_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
+
+
+def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
+    import asyncio
+
+    from eagle3_ray.engine_loop import ByteBudget
+
+    async def scenario() -> list[str]:
+        budget, order = ByteBudget(100), []
+
+        async def unit(name: str, num_bytes: int, hold_s: float) -> None:
+            await budget.acquire(num_bytes, name)
+            order.append(f"start {name}")
+            await asyncio.sleep(hold_s)
+            await budget.release(num_bytes)
+
+        await asyncio.gather(unit("a", 60, 0.2), unit("b", 60, 0.0), unit("huge", 500, 0.0))
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[0] == "start a" and set(order[1:]) == {"start b", "start huge"}
+    assert order.index("start huge") > 0  # larger than the budget: it runs, but alone
+
+
+def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run, tiny_llama_fp32):
+    """Greedy fp32: a plain engine's regeneration plus a capture prefill equal one pass with capture in decode,
+    multi-turn conversations included (every turn answered by the model's own earlier answers)."""
+    cfg, table, _ = fp32_run
+    two = config_from_dict({**cfg.to_dict(), "generate": {**cfg.to_dict()["generate"], "mode": "two_pass"}})
+    summary = run(two)
+    one_out, two_out = _out_dir_while_running(cfg), out_dir(two)
+    assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
+    conv = {d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()} for d in (one_out, two_out)}
+    man = {d: {r["id"]: r for r in pq.read_table(f"{d}/manifest.parquet").to_pylist()} for d in (one_out, two_out)}
+    assert conv[one_out].keys() == conv[two_out].keys()
+    assert sum(len(r["messages"]) == 4 for r in conv[two_out].values()) == 3
+    for sample_id, one in conv[one_out].items():
+        two_row, m1, m2 = conv[two_out][sample_id], man[one_out][sample_id], man[two_out][sample_id]
+        assert (two_row["input_ids"], two_row["loss_mask"], two_row["messages"]) == \
+            (one["input_ids"], one["loss_mask"], one["messages"])
+        assert m1["num_tokens"] == m2["num_tokens"] == len(one["input_ids"]) - 1
+        h1 = shards.read_sample(f"{one_out}/shards/{m1['shard']}", m1["key"])
+        h2 = shards.read_sample(f"{two_out}/shards/{m2['shard']}", m2["key"])
+        assert ((h1 - h2).norm() / h1.norm()).item() < 1e-5
+    assert not Path(two_out, "generated").exists()
+    assert_every_sample_exactly_once(two_out, table, [r["id"] for r in pq.read_table(f"{two_out}/rejects.parquet").to_pylist()])
+
+
+def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(tmp_path, tiny_llama,
+                                                                                     ray_session):
+    cfg = make_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
+    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
+    out = _out_dir_while_running(cfg)
+    code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
+            f"run(config_from_dict({cfg.to_dict()!r}))")
+    job = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 400
+        while not list(Path(out, "generated").glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        _kill_session(job.pid)
+    assert list(Path(out, "generated").glob("*.parquet")) and not list(Path(out, "parts").glob("*.parquet"))
+    summary = run(cfg)
+    assert summary["rows_ok"] == table.num_rows
+    assert_every_sample_exactly_once(out, table)
