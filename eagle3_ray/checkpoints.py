@@ -12,7 +12,8 @@ A checkpoint directory (docs/stages.md, train):
 model's `_keys_to_ignore_on_load_missing`; verifier head and norm are refilled from the verifier named in
 config.json), but speculators 0.9.0 leaves `embed_tokens` uninitialized (torch.empty) rather than NaN, so its refill-if-NaN
 check skips it: `load_drafter` below calls from_pretrained and then refills the embeddings from the verifier. Retention: Ray keeps the last N directories (CheckpointConfig(num_to_keep=N), ordered by report time);
-the best one by the validation metric is also copied, weights and config only, to `best/` (complete or absent).
+the best one by the validation metric is also copied, weights and config only, to `best/` (complete when its
+train_state.json exists). Run dirs may be local paths or URIs (storage.py).
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import json
 import os
 import pickle  # only for RNG states we created ourselves, never for data read from data paths
 import random
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from eagle3_ray import storage
+
 FROZEN_KEYS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-WEIGHT_FILES = ("config.json", "model.safetensors", "train_state.json", "capture.json")
+WEIGHT_FILES = ("train_state.json", "config.json", "model.safetensors", "capture.json")
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,38 +95,30 @@ def is_better(value: float, best: float | None, mode: str) -> bool:
 
 
 def copy_best(checkpoint_dir: str, best_dir: str) -> None:
-    """Replace `best_dir` with the weights, config and state of a checkpoint: staged next to it, then renamed."""
-    parent = os.path.dirname(best_dir.rstrip("/"))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".best-", dir=parent)
-    for name in WEIGHT_FILES:
-        shutil.copy2(os.path.join(checkpoint_dir, name), os.path.join(staging, name))
-    old = f"{best_dir.rstrip('/')}.old"
-    if os.path.exists(best_dir):
-        os.replace(best_dir, old)
-    os.replace(staging, best_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    """Replace `best_dir` (any storage) with the weights, config and state of a checkpoint. Object stores have no
+    atomic directory rename, so `train_state.json` marks a complete copy: removed first, written last."""
+    storage.delete(storage.join(best_dir, "train_state.json"))
+    for name in WEIGHT_FILES[::-1]:  # train_state.json is first in WEIGHT_FILES: copied last
+        storage.copy_file(storage.join(checkpoint_dir, name), storage.join(best_dir, name))
+
+
+def _record(directory: str) -> dict[str, Any] | None:
+    """{path, epoch, metrics} of a complete checkpoint directory, None when it is incomplete or absent."""
+    state_uri = storage.join(directory, "train_state.json")
+    if not storage.exists(state_uri):
+        return None
+    state = storage.read_json(state_uri)
+    return {"path": directory, "epoch": state["epoch"], "metrics": state["metrics"]}
 
 
 def kept_checkpoints(train_dir: str) -> list[dict[str, Any]]:
-    """Every complete epoch checkpoint under a Ray Train run dir, oldest first, with its train_state."""
-    kept = []
-    for name in sorted(os.listdir(train_dir)) if os.path.isdir(train_dir) else []:
-        path = os.path.join(train_dir, name)
-        state_path = os.path.join(path, "train_state.json")
-        if name.startswith("epoch_") and os.path.exists(state_path):
-            with open(state_path) as f:
-                state = json.load(f)
-            kept.append({"path": path, "epoch": state["epoch"], "metrics": state["metrics"]})
-    return kept
+    """Every complete epoch checkpoint under a Ray Train run dir (any storage), oldest first."""
+    records = [_record(storage.join(train_dir, name)) for name in storage.list_dirs(train_dir)
+               if name.startswith("epoch_")]
+    return [r for r in records if r is not None]
 
 
 def latest_record(train_dir: str, best_dir: str) -> dict[str, Any]:
-    """The content of train/LATEST.json: best, last and every kept checkpoint with its metrics."""
+    """best, last and every kept checkpoint with its metrics (in the train summary and train/LATEST.json)."""
     kept = kept_checkpoints(train_dir)
-    best = None
-    if os.path.exists(os.path.join(best_dir, "train_state.json")):
-        with open(os.path.join(best_dir, "train_state.json")) as f:
-            state = json.load(f)
-        best = {"path": best_dir, "epoch": state["epoch"], "metrics": state["metrics"]}
-    return {"best": best, "last": kept[-1] if kept else None, "checkpoints": kept}
+    return {"best": _record(best_dir), "last": kept[-1] if kept else None, "checkpoints": kept}

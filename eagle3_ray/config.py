@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import os
 import types
 import typing
@@ -20,6 +18,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+
+NOT_IN_VERSION = {"in_version": False}
+"""Field metadata: the field changes how a stage runs, not what it writes (a new value resumes the same version)."""
+
+
+def versioned(section: Any) -> dict[str, Any]:
+    """A config section's fields that determine its stage's output, for the stage version hash."""
+    values = dataclasses.asdict(section)
+    return {f.name: values[f.name] for f in dataclasses.fields(section) if f.metadata.get("in_version", True)}
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -89,9 +97,8 @@ class IngestConfig:
     """Fail the stage on the first rejected row instead of writing it to the rejects table."""
     max_rows: int | None = None
     """Read at most this many rows from each input file (None: all)."""
-    num_workers: int = 4
-    """Most concurrent normalise/tokenize tasks; each Ray worker process loads the verifier's tokenizer once.
-    Does not change the output, so it is not part of the stage version."""
+    num_workers: int = field(default=4, metadata=NOT_IN_VERSION)
+    """Most concurrent normalise/tokenize tasks; each Ray worker process loads the verifier's tokenizer once."""
 
     def __post_init__(self) -> None:
         _check(len(self.inputs) > 0, "ingest.inputs", "needs at least one input")
@@ -114,29 +121,29 @@ class GenerateConfig:
     capture prefill c = 40.4k tok/s. Per sample one pass costs O/(0.61 d), two passes O/d + (P+O)/c, so two passes
     win when O > P (d/c) / (1/0.61 - 1 - d/c) ~ 8.8 P (P prompt, O output tokens; the prompt's own prefill is the
     same in both). Rounded down to 8: a second engine start is not counted."""
-    units_in_flight: int = 8
+    units_in_flight: int = field(default=32, metadata=NOT_IN_VERSION)
     """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
     continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
-    capture_buffer_bytes: int = 4 << 30
+    capture_buffer_bytes: int = field(default=4 << 30, metadata=NOT_IN_VERSION)
     """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus the
     writer's queue), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to start
     while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
-    scratch_dir: str = "auto"
+    scratch_dir: str = field(default="auto", metadata=NOT_IN_VERSION)
     """Where vLLM's connector writes per-request captures until the writer reads them: `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
     max_zero_row_share: float = 0.5
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample."""
     max_nonfinite_values: int = 0
     """Fail the unit when a captured layer of one sample holds more NaN/inf values than this."""
-    num_replicas: int = 1
+    num_replicas: int = field(default=1, metadata=NOT_IN_VERSION)
     """Engine replicas (Ray actors), each with its own vLLM engine."""
-    max_replicas: int | None = None
+    max_replicas: int | None = field(default=None, metadata=NOT_IN_VERSION)
     """If set, the engine pool autoscales between `num_replicas` and this."""
     tensor_parallel_size: int = 1
     """GPUs per engine replica. TP>1 gets one STRICT_PACK placement group per replica and vLLM's Ray executor."""
     num_gpus_per_worker: float = 0.0
     """GPUs per tensor-parallel worker (1 on GPU clusters, 0 on CPU)."""
-    num_cpus_per_replica: float = 1.0
+    num_cpus_per_replica: float = field(default=1.0, metadata=NOT_IN_VERSION)
     """CPUs Ray reserves for each engine replica."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `vllm.LLM` (e.g. enforce_eager, kv_cache_memory_bytes, gpu_memory_utilization)."""
@@ -150,6 +157,8 @@ class GenerateConfig:
     """Nucleus sampling threshold."""
     max_tokens: int = 256
     """Maximum response tokens per turn."""
+    ignore_eos: bool = False
+    """Generate exactly `max_tokens` per turn, past end-of-turn tokens (benchmarks with fixed output lengths)."""
     enable_thinking: bool | None = None
     """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template default)."""
     hidden_states_dtype: Literal["bfloat16", "fp8", "float32"] = "bfloat16"
@@ -205,7 +214,7 @@ class TrainConfig:
     """speculators loss: `auto` (eager on CPU, fused on GPU), `eager`, `fused`."""
     val_fraction: float = 0.1
     """Fraction of samples (by id hash) held out for validation."""
-    log_every_steps: int = 10
+    log_every_steps: int = field(default=10, metadata=NOT_IN_VERSION)
     """A metrics line every this many steps."""
     num_to_keep: int = 2
     """Keep the last N epoch checkpoints (plus the best one)."""
@@ -215,13 +224,13 @@ class TrainConfig:
     of vLLM's mean acceptance length (eagle3_ray/acceptance.py); `val_acc_0` picked an epoch worse in vLLM."""
     best_mode: Literal["max", "min"] = "max"
     """Whether a larger or a smaller `best_metric` is better."""
-    max_failures: int = 3
+    max_failures: int = field(default=3, metadata=NOT_IN_VERSION)
     """Worker-group restarts Ray Train allows before the run fails."""
     on_bad_sample: Literal["fail", "skip"] = "fail"
     """A missing/truncated/non-finite sample: fail the run naming the file, or skip and count it."""
-    num_loader_workers: int = 1
+    num_loader_workers: int = field(default=1, metadata=NOT_IN_VERSION)
     """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline)."""
-    kill_worker_at: list[int] | None = None
+    kill_worker_at: list[int] | None = field(default=None, metadata=NOT_IN_VERSION)
     """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
     itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
     source: Literal["offline", "online"] = "offline"
@@ -295,16 +304,16 @@ class EvaluateConfig:
     """Draft lengths to evaluate; each is a separate vLLM run."""
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     """Concurrent requests (batch sizes) to measure throughput at."""
-    min_speedup: float | dict[int, float] | None = 1.0
+    min_speedup: float | dict[int, float] | None = field(default=1.0, metadata=NOT_IN_VERSION)
     """Gate: minimum output tokens/s with the drafter / without it. A number applies at every concurrency; a mapping
     `{concurrency: minimum}` sets it per concurrency (levels not named are not gated); null: no speed requirement.
     The default fails a drafter that makes decoding slower."""
-    min_acceptance_length: float | None = None
+    min_acceptance_length: float | None = field(default=None, metadata=NOT_IN_VERSION)
     """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
-    require_identical_outputs: bool = True
+    require_identical_outputs: bool = field(default=True, metadata=NOT_IN_VERSION)
     """Gate: at concurrency 1, greedy outputs with the drafter must equal those without it (speculation must not change
     results). Batched runs report their differences next to plain decoding's own batch-to-batch differences."""
-    report_only: bool = False
+    report_only: bool = field(default=False, metadata=NOT_IN_VERSION)
     """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay).
     A draft length passes when all its concurrency levels meet the thresholds; the drafter passes when one does."""
     prompts: str | None = None
@@ -356,11 +365,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def fingerprint(self, *sections: str) -> str:
-        """Stable short hash of the named sections (all when none named): changes when their values change."""
-        data = self.to_dict()
-        chosen = {s: data[s] for s in (sections or data.keys())}
-        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _field_names(cls: type) -> list[str]:

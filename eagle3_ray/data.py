@@ -27,7 +27,6 @@ import struct
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch.utils.data import DataLoader, Dataset
 
 from speculators.models.eagle3.data import shift_batch
@@ -35,7 +34,7 @@ from speculators.train.data import CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 from speculators.train.recovery import SampleUnavailable
 
-from eagle3_ray import shards
+from eagle3_ray import shards, storage
 
 
 @dataclass(slots=True)
@@ -67,32 +66,87 @@ def build_refs(manifest: list[dict], conversations: dict[str, dict], shards_dir:
         if t > len(conv["input_ids"]):
             raise ValueError(f"manifest row id={row['id']} (shard {row['shard']}): num_tokens={t} exceeds the "
                              f"conversation's {len(conv['input_ids'])} input_ids")
-        refs.append(SampleRef(row["id"], os.path.join(shards_dir, row["shard"]), row["key"], t,
+        refs.append(SampleRef(row["id"], storage.join(shards_dir, row["shard"]), row["key"], t,
                               list(conv["input_ids"][:t]), list(conv["loss_mask"][:t])))
     return refs
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """A safetensors file's JSON header and the file size it implies (8 + header + payload)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
+def load_refs(gen_dir: str) -> tuple[list[SampleRef], list[dict]]:
+    """(sample refs, manifest rows) of a directory in the generate stage's layout (manifest + conversations)."""
+    manifest = storage.read_parquet(storage.join(gen_dir, "manifest.parquet")).to_pylist()
+    convs = storage.read_parquet(storage.join(gen_dir, "conversations.parquet"), ["id", "input_ids", "loss_mask"])
+    return build_refs(manifest, {r["id"]: r for r in convs.to_pylist()}, storage.join(gen_dir, "shards")), manifest
+
+
+# safetensors dtype names of the tensors a shard holds (shards.py)
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+           "I8": torch.int8}
+
+
+class BadSampleError(ValueError):
+    """A sample that cannot be trained on; the message names its shard file and key."""
+
+
+class ShardReader:
+    """Tensors read by byte range from safetensors shards on any storage (storage.py): a shard is opened once per
+    process and its header parsed once; a read fetches one tensor's bytes (pread on a local file, a ranged GET on an
+    object store), so a sample costs its own bytes, never the shard's. Safe across DataLoader forks: a process that
+    inherited open files from its parent reopens them."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._files: dict[str, tuple[object, dict, int, int]] = {}
+
+    def open(self, uri: str) -> tuple[object, dict, int, int]:
+        """(file, header entries, payload offset, file size); BadSampleError naming the file when it is unreadable."""
+        if self._pid != os.getpid():
+            self._pid, self._files = os.getpid(), {}
+        if uri not in self._files:
+            self._files[uri] = _open_shard(uri)
+        return self._files[uri]
+
+    def tensor(self, uri: str, name: str) -> torch.Tensor:
+        f, header, payload, _size = self.open(uri)
+        entry = header.get(name)
+        if entry is None:
+            raise BadSampleError(f"{uri}: key {name} is missing")
+        start, end = entry["data_offsets"]
+        data = f.read_at(end - start, payload + start)
+        if len(data) != end - start:
+            raise BadSampleError(f"{uri}: truncated at key {name} ({len(data)} of {end - start} bytes)")
+        flat = torch.frombuffer(bytearray(data), dtype=_DTYPES[entry["dtype"]]) if end > start else torch.empty(0)
+        return flat.reshape(entry["shape"])
+
+
+def _open_shard(uri: str) -> tuple[object, dict, int, int]:
+    fs, path = storage.resolve(uri)
+    try:
+        f = fs.open_input_file(path)
+    except (FileNotFoundError, OSError) as e:
+        raise BadSampleError(f"{uri}: shard file is missing ({type(e).__name__})") from e
+    size = f.size()
+    try:
+        (header_len,) = struct.unpack("<Q", f.read_at(8, 0))
+        header = json.loads(f.read_at(header_len, 8))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise BadSampleError(f"{uri}: unreadable safetensors header ({e})") from e
     header.pop("__metadata__", None)
     payload_end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    return header, 8 + header_len + payload_end
+    if size < 8 + header_len + payload_end:
+        raise BadSampleError(f"{uri}: truncated ({size} bytes, header promises {8 + header_len + payload_end})")
+    return f, header, 8 + header_len, size
 
 
 def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> dict[str, str]:
     """Cheap eager check from shard headers only: {sample id: problem naming the file} for every sample whose shard
     is missing or truncated, or whose key is absent or has a shape the manifest does not promise."""
     problems: dict[str, str] = {}
-    headers: dict[str, tuple[dict, str | None]] = {}
+    reader = ShardReader()
     for ref in refs:
-        if ref.shard_path not in headers:
-            headers[ref.shard_path] = _shard_header(ref.shard_path)
-        header, shard_problem = headers[ref.shard_path]
-        if shard_problem:
-            problems[ref.id] = shard_problem
+        try:
+            _f, header, _payload, _size = reader.open(ref.shard_path)
+        except BadSampleError as e:
+            problems[ref.id] = str(e)
             continue
         entry = header.get(f"{ref.key}.hs")
         expected = [ref.num_tokens, num_layers, hidden_size]
@@ -102,23 +156,6 @@ def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> di
             problems[ref.id] = (f"{ref.shard_path}: {ref.key}.hs has shape {entry['shape']}, manifest says "
                                 f"{expected} (num_tokens, layers, hidden) for sample {ref.id}")
     return problems
-
-
-def _shard_header(path: str) -> tuple[dict, str | None]:
-    if not os.path.exists(path):
-        return {}, f"{path}: shard file is missing"
-    try:
-        header, expected_bytes = read_header(path)
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        return {}, f"{path}: unreadable safetensors header ({e})"
-    size = os.path.getsize(path)
-    if size < expected_bytes:
-        return {}, f"{path}: truncated ({size} bytes, header promises {expected_bytes})"
-    return header, None
-
-
-class BadSampleError(ValueError):
-    """A sample that cannot be trained on; the message names its shard file and key."""
 
 
 class ShardDataset(Dataset):
@@ -134,6 +171,7 @@ class ShardDataset(Dataset):
         self.dtype = dtype
         self.on_bad_sample = on_bad_sample
         self.approx_lengths = [r.num_tokens for r in refs]
+        self.reader = ShardReader()
 
     def __len__(self) -> int:
         return len(self.refs)
@@ -158,12 +196,8 @@ class ShardDataset(Dataset):
 
     def _read(self, ref: SampleRef) -> torch.Tensor:
         where = f"{ref.shard_path} key {ref.key} (sample {ref.id})"
-        try:
-            with safe_open(ref.shard_path, framework="pt") as f:
-                hs = f.get_tensor(f"{ref.key}.hs")
-                scale = f.get_tensor(f"{ref.key}.scale") if hs.dtype == torch.float8_e4m3fn else None
-        except Exception as e:  # safetensors raises several types for missing/short files and keys
-            raise BadSampleError(f"{where}: cannot read ({type(e).__name__}: {e})") from e
+        hs = self.reader.tensor(ref.shard_path, f"{ref.key}.hs")
+        scale = self.reader.tensor(ref.shard_path, f"{ref.key}.scale") if hs.dtype == torch.float8_e4m3fn else None
         if hs.shape[0] != ref.num_tokens or hs.shape[1] != self.num_aux + 1:
             raise BadSampleError(f"{where}: shape {list(hs.shape)} does not match manifest num_tokens="
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")

@@ -2,7 +2,7 @@
 
     python ray_jobs/export.py ray_jobs/configs/tiny_cpu.yaml export.checkpoint=last
 
-Reads `train/LATEST.json`, picks the checkpoint (`export.checkpoint`: best | last | epoch=N), checks the
+Reads the train output this config determines, picks the checkpoint (`export.checkpoint`: best | last | epoch=N), checks the
 capture/serving contract (contract.py) against the checkpoint's capture.json and the verifier, and writes
 `export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
 actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from eagle3_ray import contract, storage, tiny_verifier
-from eagle3_ray.config import Config
+from eagle3_ray import contract, stage, storage, tiny_verifier
+from eagle3_ray.config import Config, versioned
 from eagle3_ray.telemetry import log
 
 STAGE = "export"
@@ -124,18 +124,20 @@ def _upload(local: Path, dir_uri: str) -> None:
         storage.write_bytes_atomic(storage.join(dir_uri, path.name), path.read_bytes())
 
 
+def version(cfg: Config) -> str:
+    return storage.version_hash("export", versioned(cfg.export), cfg.verifier.path, stage.version(cfg, "train"))
+
+
 def run(cfg: Config) -> dict[str, Any]:
-    run_dir = cfg.run.run_dir
-    train_latest = storage.latest(run_dir, "train")
-    entry = pick_checkpoint(train_latest, cfg.export.checkpoint)
+    train_dir = stage.input_dir(cfg, "train")
+    entry = pick_checkpoint(storage.read_json(storage.join(train_dir, "summary.json")), cfg.export.checkpoint)
+    return stage.run(cfg, STAGE, version(cfg), lambda out: _export(cfg, entry, out),
+                     inputs={"train": train_dir, "checkpoint": entry["path"]})
+
+
+def _export(cfg: Config, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
     verifier_dir = tiny_verifier.verifier_dir(cfg)
-    version = storage.version_hash(cfg.to_dict()["export"], entry["path"], train_latest.get("version"), verifier_dir)
-    out_dir = storage.stage_dir(run_dir, STAGE, version)
-    if storage.is_complete(out_dir):
-        log(STAGE, "skip", reason="already exported", version=version, path=out_dir)
-        storage.set_latest(run_dir, STAGE, version)
-        return storage.read_json(storage.join(out_dir, "summary.json"))
-    log(STAGE, "start", checkpoint=cfg.export.checkpoint, path=entry["path"], version=version)
+    log(STAGE, "checkpoint", which=cfg.export.checkpoint, path=entry["path"])
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
         ckpt = _download(entry["path"], CHECKPOINT_FILES, Path(tmp) / "checkpoint")
         capture = json.loads((ckpt / "capture.json").read_text())
@@ -155,14 +157,6 @@ def run(cfg: Config) -> dict[str, Any]:
         agreed = contract.check_dir(str(spec_dir), capture, verifier_dir, capture_where=capture_where)
         _upload(spec_dir, storage.join(out_dir, "speculators"))
         storage.write_bytes_atomic(storage.join(out_dir, "capture.json"), (ckpt / "capture.json").read_bytes())
-    summary = {"version": version, "checkpoint": entry, "serving_vllm": serving, "contract": agreed,
-               "tensors": shapes, "speculators_dir": storage.join(out_dir, "speculators"), "verifier_path": verifier_dir}
-    storage.write_json_atomic(storage.join(out_dir, "summary.json"), summary)
-    storage.write_json_atomic(storage.join(out_dir, "provenance.json"),
-                              storage.provenance(cfg.to_dict(), input_fingerprint=entry["path"]))
-    storage.mark_complete(out_dir, {"version": version})
-    storage.set_latest(run_dir, STAGE, version, speculators_dir=summary["speculators_dir"])
-    log(STAGE, "done", version=version, aux_layer_ids=agreed["aux_layer_ids"], num_tensors=len(shapes),
-        path=summary["speculators_dir"])
-    return summary
-
+    log(STAGE, "contract", aux_layer_ids=agreed["aux_layer_ids"], num_tensors=len(shapes))
+    return {"checkpoint": entry, "serving_vllm": serving, "contract": agreed, "tensors": shapes,
+            "speculators_dir": storage.join(out_dir, "speculators"), "verifier_path": verifier_dir}

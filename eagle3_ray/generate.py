@@ -18,16 +18,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle3_ray import storage, telemetry
-from eagle3_ray.config import Config
+from eagle3_ray import stage, storage, telemetry
+from eagle3_ray.config import Config, versioned
 from eagle3_ray.generate_output import capture_contract, clean_orphans, committed_ids, finalise
 from eagle3_ray.raycluster import ensure_ray
 from eagle3_ray.tiny_verifier import verifier_dir
 
 STAGE = "generate"
-# Fields that change how fast, not what is written: a new replica count resumes the same version.
-NOT_IN_VERSION = ("num_replicas", "max_replicas", "num_cpus_per_replica", "units_in_flight",
-                  "capture_buffer_bytes", "scratch_dir")
 
 
 @dataclass(slots=True)
@@ -37,9 +34,9 @@ class Unit:
     num_tokens: int
 
 
-def stage_version(cfg: Config, ingest_version: str) -> str:
-    gen = {k: v for k, v in cfg.to_dict()["generate"].items() if k not in NOT_IN_VERSION}
-    return storage.version_hash(gen, cfg.to_dict()["verifier"], cfg.run.seed, ingest_version)
+def version(cfg: Config) -> str:
+    return storage.version_hash(versioned(cfg.generate), versioned(cfg.verifier), cfg.run.seed,
+                                stage.version(cfg, "ingest"))
 
 
 def sample_cost(row: dict[str, Any], cfg: Config, encoder: Any) -> int:
@@ -99,35 +96,32 @@ def placement_args(cfg: Config, created: list) -> dict[str, Any]:
 
 
 def run(cfg: Config) -> dict[str, Any]:
+    ingest_dir = stage.input_dir(cfg, "ingest")
+    return stage.run(cfg, STAGE, version(cfg), lambda out: _generate(cfg, ingest_dir, out),
+                     inputs={"ingest": ingest_dir})
+
+
+def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
     ensure_ray(cfg.run)
-    run_dir = cfg.run.run_dir
-    ingest = storage.latest(run_dir, "ingest")
-    version = stage_version(cfg, ingest["version"])
-    out = storage.stage_dir(run_dir, STAGE, version)
-    if storage.is_complete(out):
-        telemetry.log(STAGE, "already_complete", path=out)
-        return storage.read_json(storage.join(out, "summary.json"))
     verifier_path = verifier_dir(cfg)
     contract = capture_contract(cfg, verifier_path)
     storage.write_json_atomic(storage.join(out, "capture.json"), contract)
 
-    table = storage.read_parquet(storage.join(ingest["path"], "conversations.parquet"))
+    table = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet"))
     clean_orphans(out)
     done = committed_ids(out)
     pending = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(done), pa.string())))).to_pylist()
-    encoder = _encoder(verifier_path, cfg)
+    encoder = chat_encoder(verifier_path, cfg)
     units, plan_rejects = plan_units(pending, [sample_cost(r, cfg, encoder) for r in pending], cfg)
     telemetry.log(STAGE, "plan", path=out, rows_in=table.num_rows, already_done=len(done), units=len(units),
                   samples=sum(len(u.samples) for u in units), plan_rejects=len(plan_rejects))
     start = time.monotonic()
     processed = _execute(cfg, units, verifier_path, contract["layer_ids"], out) if units else {"tokens": 0, "bytes": 0}
     wall_s = time.monotonic() - start
-    summary = finalise(cfg, out, table, plan_rejects, contract, ingest, processed, wall_s)
-    storage.set_latest(run_dir, STAGE, version)
-    return summary
+    return finalise(cfg, out, table, plan_rejects, contract, processed, wall_s)
 
 
-def _encoder(verifier_path: str, cfg: Config):
+def chat_encoder(verifier_path: str, cfg: Config):
     from transformers import AutoTokenizer
 
     from eagle3_ray.chat import ChatEncoder

@@ -73,10 +73,17 @@ def _one_row_per_id(parts: pa.Table) -> pa.Table:
     return parts.take(pa.array(keep, pa.int64()))
 
 
-def finalise(cfg: Config, out: str, ingested: pa.Table, plan_rejects: list[dict], contract: dict, ingest: dict,
-             processed: dict[str, Any], wall_s: float) -> dict[str, Any]:
+def committed_samples(out: str) -> pa.Table | None:
+    """Every committed part row, one per sample id (None when nothing is committed)."""
     parts = _parts(out)
-    parts = _one_row_per_id(parts) if parts is not None else pa.table({"status": pa.array([], pa.string())})
+    return None if parts is None else _one_row_per_id(parts)
+
+
+def finalise(cfg: Config, out: str, ingested: pa.Table, plan_rejects: list[dict], contract: dict,
+             processed: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """manifest, conversations and rejects from the committed parts (counts reconciled); returns the summary."""
+    parts = committed_samples(out)
+    parts = parts if parts is not None else pa.table({"status": pa.array([], pa.string())})
     ok = parts.filter(pc.equal(parts["status"], "ok")) if parts.num_rows else None
     engine_rejects = parts.filter(pc.equal(parts["status"], "rejected")).select(REJECTS_SCHEMA.names) \
         if parts.num_rows else REJECTS_SCHEMA.empty_table()
@@ -91,27 +98,8 @@ def finalise(cfg: Config, out: str, ingested: pa.Table, plan_rejects: list[dict]
     if ok is not None:
         storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), ok.select(CONVERSATION_COLUMNS))
     storage.write_parquet_atomic(storage.join(out, "rejects.parquet"), rejects)
-    summary = _summary(out, ingested.num_rows, manifest, rejects, processed, wall_s)
-    storage.write_json_atomic(storage.join(out, "summary.json"), summary)
-    storage.write_json_atomic(storage.join(out, "provenance.json"), storage.provenance(
-        cfg.to_dict(), input_fingerprint=ingest["version"], ingest_path=ingest["path"], capture=contract))
     storage.delete(storage.join(out, "_scratch"))  # the engines' per-request files, all read by now
-    storage.mark_complete(out, summary)
-    telemetry.log("generate", "done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
-    return summary
-
-
-def _summary(out: str, rows_in: int, manifest: pa.Table, rejects: pa.Table, processed: dict, wall_s: float) -> dict:
-    shard_files = storage.list_files(storage.join(out, "shards"), ".safetensors")
-    total_bytes = sum(storage.resolve(f)[0].get_file_info(storage.resolve(f)[1]).size for f in shard_files)
-    tokens = int(pc.sum(manifest["num_tokens"]).as_py() or 0)
-    reasons = pc.value_counts(rejects["reason"]).to_pylist() if rejects.num_rows else []
-    return {"path": out, "rows_in": rows_in, "rows_ok": manifest.num_rows, "rows_rejected": rejects.num_rows,
-            "reject_reasons": {r["values"]: r["counts"] for r in reasons}, "num_shards": len(shard_files),
-            "captured_tokens": tokens, "shard_bytes": total_bytes, "bytes_per_token": total_bytes / max(tokens, 1),
-            "run_wall_s": wall_s, "run_samples": processed.get("samples", 0), "run_tokens": processed["tokens"],
-            "run_tokens_per_s": processed["tokens"] / max(wall_s, 1e-9),
-            "run_mode": processed.get("mode"), "capture_stats": capture_stats_summary(out)}
+    return {**_summary(out, ingested.num_rows, manifest, rejects, processed, wall_s), "capture": contract}
 
 
 def capture_stats_summary(out: str) -> dict[str, dict]:
@@ -128,3 +116,16 @@ def capture_stats_summary(out: str) -> dict[str, dict]:
                       "hs_norm_max"]).to_pylist()
     per_sample = [{k.removeprefix("hs_"): r[k] for k in r if k.startswith("hs_")} for r in rows]
     return shards.aggregate_stats(per_sample, [r["num_tokens"] for r in rows], rows[0]["layer_ids"])
+
+
+def _summary(out: str, rows_in: int, manifest: pa.Table, rejects: pa.Table, processed: dict, wall_s: float) -> dict:
+    shard_files = storage.list_files(storage.join(out, "shards"), ".safetensors")
+    total_bytes = sum(storage.resolve(f)[0].get_file_info(storage.resolve(f)[1]).size for f in shard_files)
+    tokens = int(pc.sum(manifest["num_tokens"]).as_py() or 0)
+    reasons = pc.value_counts(rejects["reason"]).to_pylist() if rejects.num_rows else []
+    return {"path": out, "rows_in": rows_in, "rows_ok": manifest.num_rows, "rows_rejected": rejects.num_rows,
+            "reject_reasons": {r["values"]: r["counts"] for r in reasons}, "num_shards": len(shard_files),
+            "captured_tokens": tokens, "shard_bytes": total_bytes, "bytes_per_token": total_bytes / max(tokens, 1),
+            "run_wall_s": wall_s, "run_samples": processed.get("samples", 0), "run_tokens": processed["tokens"],
+            "run_tokens_per_s": processed["tokens"] / max(wall_s, 1e-9),
+            "run_mode": processed.get("mode"), "capture_stats": capture_stats_summary(out)}

@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 import ray
 
 from eagle3_ray import ingest_formats as formats
-from eagle3_ray import storage
-from eagle3_ray.config import Config
+from eagle3_ray import stage, storage
+from eagle3_ray.config import Config, versioned
 from eagle3_ray.prompts import tiny_prompts
 from eagle3_ray.raycluster import ensure_ray
 from eagle3_ray.telemetry import RateMeter, log, metrics
@@ -43,34 +43,39 @@ PROGRESS_EVERY_S = 2.0
 ROWS_PER_TASK = 2048
 
 
+def version(cfg: Config) -> str:
+    """Hash of the ingest section, the verifier (its tokenizer counts prompt tokens) and the inputs' fingerprints."""
+    files = [f for i, uri in enumerate(cfg.ingest.inputs) for f in _expand(uri, f"ingest.inputs[{i}]")]
+    fingerprint = storage.version_hash(*[_fingerprint(f) for f in files])
+    return storage.version_hash("ingest", versioned(cfg.ingest), cfg.verifier.path, cfg.verifier.trust_remote_code,
+                                fingerprint)
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Ingest `cfg.ingest.inputs`; return the summary (also written to summary.json)."""
     inputs = _check_inputs(cfg.ingest.inputs)
-    files = [f for group in inputs for f in group]
     verifier_path = verifier_dir(cfg)
     _check_tokenizer(verifier_path, cfg.verifier.trust_remote_code)
-    fingerprint = storage.version_hash(*[_fingerprint(f) for f in files])
-    section = {k: v for k, v in cfg.to_dict()["ingest"].items() if k != "num_workers"}
-    version = storage.version_hash("ingest", section, cfg.verifier.path, cfg.verifier.trust_remote_code, fingerprint)
-    out_dir = storage.stage_dir(cfg.run.run_dir, "ingest", version)
-    if storage.is_complete(out_dir):
-        summary = storage.read_json(storage.join(out_dir, "summary.json"))
-        log("ingest", "already_done", version=version, path=out_dir, rows_ok=summary["rows_ok"])
-        storage.set_latest(cfg.run.run_dir, "ingest", version)
-        return {**summary, "skipped": True}
+    return stage.run(cfg, "ingest", version(cfg), lambda out: _ingest(cfg, inputs, verifier_path, out),
+                     inputs={"files": ",".join(cfg.ingest.inputs), "verifier": verifier_path})
 
+
+def _ingest(cfg: Config, inputs: list[list[formats.InputFile]], verifier_path: str, out_dir: str) -> dict[str, Any]:
     ensure_ray(cfg.run)
-    log("ingest", "start", version=version, inputs=len(cfg.ingest.inputs), files=len(files), verifier=verifier_path)
+    log("ingest", "read", inputs=len(cfg.ingest.inputs), files=sum(map(len, inputs)), verifier=verifier_path)
     meter = RateMeter()
     ok, rejects = _collect(_pipeline(inputs, cfg, verifier_path), cfg, meter)
     conversations, num_duplicates = _dedupe(ok)
-    summary = _summary(conversations, rejects, num_duplicates, meter, version=version, path=out_dir)
+    summary = _summary(conversations, rejects, num_duplicates, meter)
     _count_rows(cfg.run.name, {"duplicate": num_duplicates})
-    _write(out_dir, conversations, rejects, summary, cfg, fingerprint, verifier_path)
-    storage.set_latest(cfg.run.run_dir, "ingest", version)
-    log("ingest", "done", **{k: summary[k] for k in ("rows_in", "rows_ok", "rows_rejected", "duplicates",
-                                                       "rows_per_s", "elapsed_s")}, path=out_dir)
+    _write(out_dir, conversations, rejects)
     return summary
+
+
+def _expand(uri: str, where: str) -> list[formats.InputFile]:
+    if uri.startswith(formats.BUILTIN_PREFIX) and uri != "builtin:tiny_prompts":
+        raise ValueError(f"{where}: unknown builtin input {uri!r} (known: builtin:tiny_prompts)")
+    return formats.expand_input(uri, where)
 
 
 def _check_inputs(inputs: list[str]) -> list[list[formats.InputFile]]:
@@ -78,9 +83,7 @@ def _check_inputs(inputs: list[str]) -> list[list[formats.InputFile]]:
     expanded = []
     for i, uri in enumerate(inputs):
         where = f"ingest.inputs[{i}]"
-        if uri.startswith(formats.BUILTIN_PREFIX) and uri != "builtin:tiny_prompts":
-            raise ValueError(f"{where}: unknown builtin input {uri!r} (known: builtin:tiny_prompts)")
-        files = formats.expand_input(uri, where)
+        files = _expand(uri, where)
         for item in files:
             formats.check_known_columns(item, where)
         expanded.append(files)
@@ -283,14 +286,7 @@ def _summary(conversations: pa.Table, rejects: pa.Table, num_duplicates: int, me
     }
 
 
-def _write(out_dir: str, conversations: pa.Table, rejects: pa.Table, summary: dict[str, Any], cfg: Config,
-           fingerprint: str, verifier_path: str) -> None:
-    """Files first, `_SUCCESS` last: a version without the marker is unfinished and gets redone."""
+def _write(out_dir: str, conversations: pa.Table, rejects: pa.Table) -> None:
     rejects = rejects.sort_by([("file_order", "ascending"), ("row", "ascending")]).select(REJECT_COLUMNS)
     storage.write_parquet_atomic(storage.join(out_dir, "conversations.parquet"), conversations)
     storage.write_parquet_atomic(storage.join(out_dir, "rejects.parquet"), rejects)
-    storage.write_json_atomic(storage.join(out_dir, "summary.json"), summary)
-    config = {"ingest": cfg.to_dict()["ingest"], "verifier": cfg.to_dict()["verifier"]}
-    storage.write_json_atomic(storage.join(out_dir, "provenance.json"), storage.provenance(
-        config, input_fingerprint=fingerprint, verifier_path=verifier_path, inputs=cfg.ingest.inputs))
-    storage.mark_complete(out_dir, summary)

@@ -22,30 +22,22 @@ engine actor is restarted by Ray Data and its unit redone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
-from typing import Any
 
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train import DataConfig
 
-from eagle3_ray import chat, data, storage, vocab
-from eagle3_ray.config import Config
-from eagle3_ray.raycluster import ensure_ray
+from eagle3_ray import chat, data, stage, storage, vocab
+from eagle3_ray.config import Config, versioned
 from eagle3_ray.telemetry import log
 
 STAGE = "train"
 
 
-def online_version(cfg: Config, ingest_version: str) -> str:
-    from eagle3_ray.generate import NOT_IN_VERSION
-    from eagle3_ray.train import OPERATIONAL_FIELDS
-
-    gen = {k: v for k, v in cfg.to_dict()["generate"].items() if k not in NOT_IN_VERSION}
-    section = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in OPERATIONAL_FIELDS}
-    return storage.version_hash("train-online", section, gen, cfg.to_dict()["verifier"], cfg.run.seed, ingest_version)
+def version(cfg: Config) -> str:
+    """The train stage's version in online mode: what the generate stage's and the train stage's would hash."""
+    return storage.version_hash("train-online", versioned(cfg.train), versioned(cfg.generate),
+                                versioned(cfg.verifier), cfg.run.seed, stage.version(cfg, "ingest"))
 
 
 def build_dataset(cfg: Config, units: list, verifier_path: str, layer_ids: list[int], out_dir: str,
@@ -117,13 +109,13 @@ def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
     return max(1, math.ceil(sum(costs) * (1 - cfg.train.val_fraction) / (cfg.train.total_seq_len * cfg.train.num_workers)))
 
 
-def _plan(cfg: Config, ingest: dict, verifier_path: str):
+def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
     """(rows, units, plan rejects, token costs) of the conversations this run trains on."""
-    from eagle3_ray.generate import _encoder, plan_units, sample_cost
+    from eagle3_ray.generate import chat_encoder, plan_units, sample_cost
 
-    rows = storage.read_parquet(storage.join(ingest["path"], "conversations.parquet")).to_pylist()
+    rows = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
-    encoder = _encoder(verifier_path, cfg)
+    encoder = chat_encoder(verifier_path, cfg)
     costs = [sample_cost(r, cfg, encoder) for r in rows]
     units, rejects = plan_units(rows, costs, cfg)
     return rows, units, rejects, costs, encoder
@@ -133,67 +125,32 @@ def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], cfg: Confi
     rejected = {r["id"] for r in rejects}
     ids = [r["id"] for r in rows if r["id"] not in rejected]
     val_ids = sorted(i for i in ids if data.is_validation(i, cfg.train.val_fraction))
-    if len(val_ids) < cfg.train.num_workers or len(ids) - len(val_ids) < cfg.train.num_workers:
-        raise ValueError(f"train.val_fraction={cfg.train.val_fraction} leaves {len(ids) - len(val_ids)} train and "
-                         f"{len(val_ids)} validation samples; each of {cfg.train.num_workers} workers needs one of each")
     split = {"val_fraction": cfg.train.val_fraction, "num_train": len(ids) - len(val_ids), "val_ids": val_ids,
              "source": "online", "plan_rejects": rejects}
     storage.write_json_atomic(storage.join(out_dir, "split.json"), split)
     return split
 
 
-def _trainer(cfg: Config, out_dir: str, version: str, loop_config: dict, dataset) -> TorchTrainer:
-    from eagle3_ray.online_worker import train_loop
-
-    tc = cfg.train
-    return TorchTrainer(
-        train_loop, train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
-                                     resources_per_worker={"CPU": tc.cpus_per_worker}),
-        run_config=RunConfig(storage_path=os.path.dirname(out_dir), name=version,
-                             failure_config=FailureConfig(max_failures=tc.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=tc.num_to_keep)),
-        datasets={"train": dataset}, dataset_config=data_config(cfg))
-
-
-def run(cfg: Config) -> dict[str, Any]:
-    """Capture and train in one run; returns train.py's summary. Reads ingest/LATEST.json, writes train/{version}/."""
-    import ray
-
+def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
+    """The online data source of the train stage: (worker args, the lazy capture stream, split). Plans the units,
+    writes the capture contract, split and draft vocabulary; `created_pgs` collects the engines' placement groups."""
     from eagle3_ray.generate_output import capture_contract
     from eagle3_ray.tiny_verifier import verifier_dir
-    from eagle3_ray.train import _finish
+    from eagle3_ray.train_worker import WorkerArgs
 
-    ensure_ray(cfg.run)
-    run_dir = cfg.run.run_dir
-    ingest = storage.latest(run_dir, "ingest")
-    version = online_version(cfg, ingest["version"])
-    out_dir = storage.stage_dir(run_dir, STAGE, version)
-    if storage.is_complete(out_dir):
-        log(STAGE, "already_complete", version=version, path=out_dir, source="online")
-        return storage.read_json(storage.join(out_dir, "summary.json"))
     verifier_path = verifier_dir(cfg)
     capture = capture_contract(cfg, verifier_path)
-    rows, units, rejects, costs, encoder = _plan(cfg, ingest, verifier_path)
-    storage.makedirs(out_dir)
+    rows, units, rejects, costs, encoder = _plan(cfg, ingest_dir, verifier_path)
     storage.write_json_atomic(storage.join(out_dir, "capture.json"), capture)
     split = _write_split(out_dir, rows, rejects, cfg)
     draft_vocab(out_dir, rows, cfg, encoder, capture)
     cache_dir = storage.join(out_dir, "cache") if cfg.train.online_cache else None
     if cache_dir:
         storage.write_json_atomic(storage.join(cache_dir, "capture.json"), capture)
-    log(STAGE, "start", source="online", version=version, units=len(units), num_train=split["num_train"],
+    log(STAGE, "plan", source="online", units=len(units), num_train=split["num_train"],
         num_val=len(split["val_ids"]), plan_rejects=len(rejects), workers=cfg.train.num_workers,
         epochs=cfg.train.epochs, cache=bool(cache_dir))
-    loop_config = {"cfg": cfg.to_dict(), "out_dir": out_dir, "capture": capture, "val_ids": split["val_ids"],
-                   "cache_dir": cache_dir, "steps_per_epoch": estimated_steps_per_epoch(costs, cfg)}
-    created_pgs: list = []
+    args = WorkerArgs(cfg=cfg.to_dict(), out_dir=out_dir, capture=capture, val_ids=split["val_ids"],
+                      cache_dir=cache_dir, steps_per_epoch=estimated_steps_per_epoch(costs, cfg))
     dataset = build_dataset(cfg, units, verifier_path, capture["layer_ids"], out_dir, cache_dir, created_pgs)
-    try:
-        result = _trainer(cfg, out_dir, version, loop_config, dataset).fit()
-    finally:
-        for pg in created_pgs:
-            ray.util.remove_placement_group(pg)
-    if result.error is not None:
-        raise result.error
-    return _finish(cfg, out_dir, version, {}, split, ingest["version"])
+    return args, dataset, split

@@ -13,6 +13,8 @@ gradient) until every rank is done. Later epochs with the cache read its shards 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import ray.train
 import ray.train.torch
@@ -26,7 +28,7 @@ from speculators.train.recovery import SampleUnavailable
 from eagle3_ray import data, shards, storage
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
-from eagle3_ray.train_worker import Loop, MetricSums, _step_metrics, _tensors, collective_device, make_loaders, summarize
+from eagle3_ray.train_worker import Loop, MetricSums, WorkerArgs, collective_device, make_loaders, metric_tensors, summarize, to_device
 
 
 def stream_sample(row: dict, num_aux: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | SampleUnavailable:
@@ -129,8 +131,8 @@ class StreamBatches:
         raw = self.loop.raw
         raw.eval()
         with self.loop.autocast:
-            _draft, _loss, step_metrics = raw(**_tensors(batch, self.loop.device), **self.loop.kwargs)
-        self.val_sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]))
+            _draft, _loss, step_metrics = raw(**to_device(batch, self.loop.device), **self.loop.kwargs)
+        self.val_sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]))
         raw.train()
 
 
@@ -138,18 +140,18 @@ class OnlineLoop(Loop):
     """train_worker.Loop with the stream as its data: the same model, optimizer, restore, steps, metrics and
     checkpoints; the LR schedule's length is estimated (responses do not exist yet when it is built)."""
 
-    def __init__(self, lc: dict):
-        super().__init__(lc, steps_per_epoch=lc["steps_per_epoch"])
-        capture, tc = lc["capture"], self.cfg.train
+    def __init__(self, args: WorkerArgs):
+        super().__init__(args)
+        capture, tc = args.capture, self.cfg.train
         self.num_aux, self.total_seq_len = len(capture["aux_layer_ids"]), tc.total_seq_len
         self.dtype = torch.bfloat16 if tc.use_gpu else torch.float32
         self.collate = CollateFn(tc.total_seq_len, capture["hidden_size"], num_target_layers=self.num_aux,
                                  dtype=self.dtype, preprocess=shift_batch)
-        self.val_ids = set(lc["val_ids"])
+        self.val_ids = set(args.val_ids)
         self.stream = ray.train.get_dataset_shard("train")  # a barrier: every rank asks for its shard here
 
     def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:
-        cache = self.lc["cache_dir"]
+        cache = self.args.cache_dir
         source = "cache" if cache and epoch > 0 else "stream"
         if self.rank == 0:
             self.sinks.jsonl.write({"kind": "epoch_source", "epoch": epoch, "source": source})
@@ -168,17 +170,20 @@ class OnlineLoop(Loop):
             finalise_cache(cache_dir)
         if dist.is_initialized():
             dist.barrier()
-        lc = {**self.lc, "gen_dir": cache_dir, "skip_ids": []}
-        return make_loaders(self.cfg, lc, self.rank, self.world)
+        refs, _manifest = data.load_refs(cache_dir)
+        val_ids = self.val_ids
+        args = dataclasses.replace(self.args, train_refs=[r for r in refs if r.id not in val_ids],
+                                   val_refs=[r for r in refs if r.id in val_ids])
+        return make_loaders(self.cfg, args, self.rank, self.world)
 
 
 def finalise_cache(cache_dir: str) -> int:
     """manifest.parquet + conversations.parquet of the cache from its committed parts (generate's layout)."""
     import pyarrow.compute as pc
 
-    from eagle3_ray.generate_output import _one_row_per_id, _parts
+    from eagle3_ray.generate_output import committed_samples
 
-    parts = _one_row_per_id(_parts(cache_dir))
+    parts = committed_samples(cache_dir)
     ok = parts.filter(pc.equal(parts["status"], "ok"))
     storage.write_parquet_atomic(storage.join(cache_dir, "conversations.parquet"),
                                  ok.select(["id", "input_ids", "loss_mask"]))
@@ -186,11 +191,3 @@ def finalise_cache(cache_dir: str) -> int:
                                  ok.select(shards.MANIFEST_SCHEMA.names).cast(shards.MANIFEST_SCHEMA))
     log("train", "online_cache_ready", path=cache_dir, samples=ok.num_rows)
     return ok.num_rows
-
-
-def train_loop(lc: dict) -> None:
-    loop = OnlineLoop(lc)
-    loop.restore()
-    for epoch in range(loop.start_epoch, loop.cfg.train.epochs):
-        train_sums, val = loop.run_epoch(epoch)
-        loop.end_epoch(epoch, train_sums, val)

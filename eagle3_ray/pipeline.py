@@ -17,12 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from eagle3_ray import storage
+from eagle3_ray import stage, storage
 from eagle3_ray.config import Config
 from eagle3_ray.raycluster import ensure_ray
+from eagle3_ray.stage import STAGES
 from eagle3_ray.telemetry import RateMeter, log, metrics
-
-STAGES = ("ingest", "generate", "train", "export", "evaluate")
 
 
 def parse_stages(text: str) -> list[str]:
@@ -31,34 +30,43 @@ def parse_stages(text: str) -> list[str]:
     unknown = [name for name in names if name not in STAGES]
     if unknown or not names:
         raise ValueError(f"--stages: unknown stage(s) {unknown or names!r}; choose from {','.join(STAGES)}")
-    return [stage for stage in STAGES if stage in names]
+    return [name for name in STAGES if name in names]
 
 
 def _announce(cfg: Config, stages: list[str]) -> None:
-    """Say in one line whether this run starts fresh or resumes earlier work under the same run dir."""
+    """Say in one line whether this run starts fresh or resumes earlier work of this config under the same run dir
+    (a stage whose upstream has not run yet has no version to look at and counts as not started)."""
     run_dir = cfg.run.run_dir
-    finished = [s for s in STAGES if storage.exists(storage.join(run_dir, s, "LATEST.json"))]
-    started = [s for s in STAGES if s not in finished and storage.exists(storage.join(run_dir, s))]
+    finished, started = [], []
+    for name in stages:
+        try:
+            out = stage.output_dir(cfg, name)
+        except (FileNotFoundError, ValueError):
+            break
+        if storage.is_complete(out):
+            finished.append(name)
+        elif storage.exists(out):
+            started.append(name)
     if finished or started:
         log("pipeline", "resumed", run_dir=run_dir, finished=finished, unfinished=started, stages=stages)
     else:
         log("pipeline", "start", run_dir=run_dir, stages=stages)
 
 
-def _run_stage(cfg: Config, stage: str) -> dict[str, Any]:
+def _run_stage(cfg: Config, name: str) -> dict[str, Any]:
     # Imported here: each stage pulls in its own heavy dependencies (vLLM, torch, speculators) only when it runs.
-    module = importlib.import_module(f"eagle3_ray.{stage}")
-    tags = {"stage": stage, "run": cfg.run.name}
+    module = importlib.import_module(f"eagle3_ray.{name}")
+    tags = {"stage": name, "run": cfg.run.name}
     metrics.gauge("pipeline_stage_running", "1 while the stage runs in the pipeline driver").set(1, tags=tags)
     meter = RateMeter()
-    log("pipeline", "stage_start", name=stage)
+    log("pipeline", "stage_start", name=name)
     try:
         summary = module.run(cfg) or {}
     finally:
         metrics.gauge("pipeline_stage_running").set(0, tags=tags)
     metrics.gauge("pipeline_stage_seconds", "wall time of the stage's last run").set(meter.elapsed_s, tags=tags)
     metrics.counter("pipeline_stages_done", "stages finished by the pipeline driver").inc(1, tags=tags)
-    log("pipeline", "stage_done", name=stage, elapsed_s=meter.elapsed_s)
+    log("pipeline", "stage_done", name=name, elapsed_s=meter.elapsed_s)
     return summary
 
 
@@ -71,6 +79,6 @@ def run(cfg: Config, stages: list[str] | tuple[str, ...] = STAGES) -> dict[str, 
         stages.remove("generate")
     _announce(cfg, stages)
     meter = RateMeter()
-    summaries = {stage: _run_stage(cfg, stage) for stage in stages}
+    summaries = {name: _run_stage(cfg, name) for name in stages}
     log("pipeline", "done", run_dir=cfg.run.run_dir, stages=stages, elapsed_s=meter.elapsed_s)
     return summaries

@@ -55,6 +55,34 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
     return sorted(join(uri, i.base_name) for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
 
 
+def list_dirs(uri: str) -> list[str]:
+    """Names of the directories directly under a directory URI, sorted; [] if it does not exist."""
+    fs, path = resolve(uri)
+    if fs.get_file_info(path).type == pafs.FileType.NotFound:
+        return []
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy one file between any two storages (pyarrow's copy_files streams it)."""
+    src_fs, src_path = resolve(src)
+    dst_fs, dst_path = resolve(dst)
+    dst_fs.create_dir(dst_path.rsplit("/", 1)[0], recursive=True)
+    pafs.copy_files(src_path, dst_path, source_filesystem=src_fs, destination_filesystem=dst_fs)
+
+
+def is_local(uri: str) -> bool:
+    return "://" not in uri or uri.startswith("file://")
+
+
+def local_path(uri: str) -> str:
+    """The OS path of a local path or file:// URI (ValueError for a remote URI)."""
+    if not is_local(uri):
+        raise ValueError(f"{uri} is not on a local filesystem")
+    return resolve(uri)[1]
+
+
 def delete(uri: str) -> None:
     fs, path = resolve(uri)
     info = fs.get_file_info(path)
@@ -159,20 +187,20 @@ def provenance(config: dict[str, Any], *, input_fingerprint: str | None = None, 
 
 
 # Stage outputs: `{run_dir}/{stage}/{version}/`, where version hashes everything that determines the output (config
-# sections, upstream version, input fingerprint). A changed config or input gets a new version instead of mixing
-# with the old one; `{run_dir}/{stage}/LATEST.json` names the version downstream stages read.
+# fields, upstream version, input fingerprint); stage.py runs every stage in this layout.
 
 def stage_dir(run_dir: str, stage: str, version: str) -> str:
     return join(run_dir, stage, version)
 
 
-def set_latest(run_dir: str, stage: str, version: str, **extra: Any) -> None:
+def set_latest(run_dir: str, stage: str, version: str, summary: dict[str, Any] | None = None) -> None:
+    """Point `{stage}/LATEST.json` at a finished version; it carries the version's summary for people and tools."""
     write_json_atomic(join(run_dir, stage, "LATEST.json"),
-                      {"version": version, "path": stage_dir(run_dir, stage, version), **extra})
+                      {**(summary or {}), "version": version, "path": stage_dir(run_dir, stage, version)})
 
 
 def latest(run_dir: str, stage: str) -> dict[str, Any]:
-    """The LATEST.json of a finished stage; a clear error when the stage has not run."""
+    """The LATEST.json of a stage (the last version any config finished; stages read stage.input_dir instead)."""
     uri = join(run_dir, stage, "LATEST.json")
     if not exists(uri):
         raise FileNotFoundError(f"no finished '{stage}' stage under {run_dir} ({uri} is missing): run it first")

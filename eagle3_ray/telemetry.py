@@ -34,14 +34,45 @@ def log(stage: str, event: str, **fields: Any) -> str:
 
 
 class JsonlWriter:
-    """Append-only JSONL metrics file (one object per line, with a wall-clock timestamp)."""
+    """Append-only JSONL metrics file (one object per line, with a wall-clock timestamp) on any storage. A local file
+    is appended to; on an object store (no append) the file is rewritten whole, at most every `flush_every_s` and on
+    `flush()`, starting from what an earlier incarnation of the run wrote."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, uri: str, flush_every_s: float = 30.0):
+        from eagle3_ray import storage
+
+        self.uri, self.flush_every_s = uri, flush_every_s
+        self.local = storage.local_path(uri) if storage.is_local(uri) else None
+        self.lines: list[str] = []
+        if self.local is None and storage.exists(uri):
+            self.lines = storage.read_bytes(uri).decode().splitlines(keepends=True)
+        self.flushed_at = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"time": time.time(), **record}, default=float) + "\n")
+        line = json.dumps({"time": time.time(), **record}, default=float) + "\n"
+        if self.local is not None:
+            with open(self.local, "a") as f:
+                f.write(line)
+            return
+        self.lines.append(line)
+        if time.monotonic() - self.flushed_at >= self.flush_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.local is None:
+            from eagle3_ray import storage
+
+            storage.write_bytes_atomic(self.uri, "".join(self.lines).encode())
+            self.flushed_at = time.monotonic()
+
+
+def read_jsonl(uri: str) -> list[dict[str, Any]]:
+    """The records of a JsonlWriter file; [] when there is none."""
+    from eagle3_ray import storage
+
+    if not storage.exists(uri):
+        return []
+    return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
 
 
 class _Metrics:

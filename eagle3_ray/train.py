@@ -3,31 +3,28 @@ Train TorchTrainer (DDP; gloo on CPU, NCCL on GPU), one checkpoint per epoch, re
 
     python ray_jobs/train.py ray_jobs/configs/tiny_cpu.yaml train.epochs=3
 
-Reads generate/LATEST.json; writes train/{version}/ (Ray Train's run dir: epoch_NNNN checkpoints, best/, vocab/,
-split.json, metrics.jsonl, tensorboard/) and train/LATEST.json. A resubmitted job with the same config finds Ray's
-snapshot in the same dir and resumes after the last checkpoint; a finished version is a no-op.
+Reads the generate output this config determines (stage.input_dir) and writes train/{version}/: Ray Train's run dir
+(epoch_NNNN checkpoints), best/, vocab/, split.json, metrics.jsonl, tensorboard/, on a local path or a URI. A
+resubmitted job with the same config finds Ray's snapshot in the same dir and resumes after the last checkpoint.
+`train.source=online` reads the capture stream instead of shards (online.py): the same trainer and loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-
-from eagle3_ray import checkpoints, data, storage, vocab
-from eagle3_ray.config import Config
-from eagle3_ray.telemetry import log
+from eagle3_ray import checkpoints, data, stage, storage, vocab
+from eagle3_ray.config import Config, versioned
+from eagle3_ray.telemetry import log, read_jsonl
 
 # Ray is imported inside the functions that start training: importing this module (e.g. to check data) must not
 # import Ray, which fixes its auth settings from the environment at import time.
 
-# Fields that change how a run is operated, not what it produces: left out of the version so that a resubmitted
-# job with e.g. more allowed failures still resumes the same run.
-OPERATIONAL_FIELDS = ("kill_worker_at", "max_failures", "log_every_steps", "num_loader_workers")
 
+def version(cfg: Config) -> str:
+    if cfg.train.source == "online":
+        from eagle3_ray import online
 
-def train_version(cfg: Config, generate_version: str) -> str:
-    section = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in OPERATIONAL_FIELDS}
-    return storage.version_hash("train", section, cfg.run.seed, generate_version)
+        return online.version(cfg)
+    return storage.version_hash("train", versioned(cfg.train), cfg.run.seed, stage.version(cfg, "generate"))
 
 
 def check_capture(capture: dict, manifest_layer_ids: set[tuple[int, ...]], cfg: Config, gen_dir: str) -> None:
@@ -46,11 +43,8 @@ def check_capture(capture: dict, manifest_layer_ids: set[tuple[int, ...]], cfg: 
 
 def prepare_samples(gen_dir: str, capture: dict, cfg: Config) -> tuple[list[data.SampleRef], dict[str, str]]:
     """All samples that can be trained on, and {id: problem} for those that cannot (fail: raise on the first)."""
-    manifest = storage.read_parquet(storage.join(gen_dir, "manifest.parquet")).to_pylist()
+    refs, manifest = data.load_refs(gen_dir)
     check_capture(capture, {tuple(r["layer_ids"]) for r in manifest}, cfg, gen_dir)
-    convs = storage.read_parquet(storage.join(gen_dir, "conversations.parquet"), ["id", "input_ids", "loss_mask"])
-    by_id = {row["id"]: row for row in convs.to_pylist()}
-    refs = data.build_refs(manifest, by_id, storage.join(gen_dir, "shards"))
     problems = data.check_shards(refs, len(capture["layer_ids"]), capture["hidden_size"])
     if problems and cfg.train.on_bad_sample == "fail":
         raise data.BadSampleError(f"{len(problems)} bad samples, first: {next(iter(problems.values()))}")
@@ -59,95 +53,105 @@ def prepare_samples(gen_dir: str, capture: dict, cfg: Config) -> tuple[list[data
     return [r for r in refs if r.id not in problems], problems
 
 
-def _write_split_and_vocab(out_dir: str, refs: list[data.SampleRef], cfg: Config, capture: dict) -> dict:
-    train_refs = [r for r in refs if not data.is_validation(r.id, cfg.train.val_fraction)]
-    val_ids = sorted(r.id for r in refs if data.is_validation(r.id, cfg.train.val_fraction))
-    if len(val_ids) < cfg.train.num_workers or len(train_refs) < cfg.train.num_workers:
-        raise ValueError(f"train.val_fraction={cfg.train.val_fraction} leaves {len(train_refs)} train and "
-                         f"{len(val_ids)} validation samples; each of {cfg.train.num_workers} workers needs one of each")
-    split = {"val_fraction": cfg.train.val_fraction, "num_train": len(train_refs), "val_ids": val_ids}
-    storage.write_json_atomic(storage.join(out_dir, "split.json"), split)
-    vocab_dir = storage.join(out_dir, "vocab")
-    if not vocab.vocab_exists(vocab_dir):
-        counts = vocab.count_tokens((r.input_ids, r.loss_mask) for r in train_refs)
-        d2t, t2d = vocab.build_vocab(counts, cfg.train.draft_vocab_size, capture["vocab_size"])
-        vocab.save_vocab(vocab_dir, d2t, t2d, counts)
-    return split
+def check_split(num_train: int, num_val: int, cfg: Config) -> None:
+    if num_val < cfg.train.num_workers or num_train < cfg.train.num_workers:
+        raise ValueError(f"train.val_fraction={cfg.train.val_fraction} leaves {num_train} train and {num_val} "
+                         f"validation samples; each of {cfg.train.num_workers} workers needs one of each")
 
 
-def _trainer(cfg: Config, out_dir: str, version: str, loop_config: dict):
+def trainer(cfg: Config, out_dir: str, args, loop_cls=None, **datasets):
+    """The TorchTrainer of both sources: `args` (train_worker.WorkerArgs) reach every worker, which runs
+    `loop_cls` (train_worker.Loop, or online_worker.OnlineLoop reading `datasets`, the capture stream, split over
+    the workers). Ray Train's run dir is `out_dir` itself, so a resubmitted job resumes."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from eagle3_ray.train_worker import train_loop
 
     tc = cfg.train
-    resources = {"CPU": tc.cpus_per_worker}
+    parent, name = out_dir.rstrip("/").rsplit("/", 1)
+    extra = {}
+    if datasets:
+        from eagle3_ray.online import data_config
+
+        extra = {"datasets": datasets, "dataset_config": data_config(cfg)}
     return TorchTrainer(
-        train_loop,
-        train_loop_config=loop_config,
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
+        train_loop, train_loop_config={"args": args, **({"loop_cls": loop_cls} if loop_cls else {})},
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu,
+                                     resources_per_worker={"CPU": tc.cpus_per_worker}),
         run_config=RunConfig(
-            storage_path=os.path.dirname(out_dir), name=version,
-            failure_config=FailureConfig(max_failures=tc.max_failures),
+            storage_path=parent, name=name, failure_config=FailureConfig(max_failures=tc.max_failures),
             # Ray keeps the last N by report order (enough to resume); the best by validation metric is copied to
             # best/ by rank 0, because CheckpointConfig can express top-N by score or last-N, not both.
             checkpoint_config=CheckpointConfig(num_to_keep=tc.num_to_keep)),
-    )
+        **extra)
 
 
-def _finish(cfg: Config, out_dir: str, version: str, problems: dict[str, str], split: dict, gen_version: str) -> dict:
-    record = checkpoints.latest_record(out_dir, storage.join(out_dir, "best"))
-    storage.set_latest(cfg.run.run_dir, "train", version, **record)
-    records = _read_metrics(out_dir)
-    for rec in records:
+def fit(trainer_) -> None:
+    result = trainer_.fit()
+    if result.error is not None:
+        raise result.error
+
+
+def finish(out_dir: str, split: dict, problems: dict[str, str]) -> dict:
+    """The train summary: split sizes, bad samples, and best/last/kept checkpoints with their metrics."""
+    for rec in read_jsonl(storage.join(out_dir, "metrics.jsonl")):
         if rec["kind"] == "validation":
             log("train", "epoch_summary", **{k: v for k, v in rec.items() if k not in ("kind", "time")})
-    summary = {"version": version, "generate_version": gen_version, "num_train": split["num_train"],
-               "num_val": len(split["val_ids"]), "num_bad_samples": len(problems), "bad_samples": problems,
-               "best": record["best"], "last": record["last"]}
-    storage.write_json_atomic(storage.join(out_dir, "summary.json"), summary)
-    storage.write_json_atomic(storage.join(out_dir, "provenance.json"),
-                              storage.provenance(cfg.to_dict(), input_fingerprint=gen_version))
-    storage.mark_complete(out_dir, summary)
-    return summary
-
-
-def _read_metrics(out_dir: str) -> list[dict]:
-    import json
-
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return {"num_train": split["num_train"], "num_val": len(split["val_ids"]), "num_bad_samples": len(problems),
+            "bad_samples": problems, **checkpoints.latest_record(out_dir, storage.join(out_dir, "best"))}
 
 
 def run(cfg: Config) -> dict:
-    """Train the drafter on the latest generate output; returns the stage summary."""
-    if cfg.train.source == "online":  # the capture pipeline is the dataset (eagle3_ray/online.py)
-        from eagle3_ray import online
+    """Train the drafter on the shards of the generate stage, or on the capture stream (`train.source=online`);
+    returns the stage summary."""
+    if cfg.train.source == "online":
+        ingest_dir = stage.input_dir(cfg, "ingest")
+        return stage.run(cfg, "train", version(cfg), lambda out: _train_online(cfg, ingest_dir, out),
+                         inputs={"ingest": ingest_dir})
+    gen_dir = stage.input_dir(cfg, "generate")
+    return stage.run(cfg, "train", version(cfg), lambda out: _train(cfg, gen_dir, out), inputs={"generate": gen_dir})
 
-        return online.run(cfg)
+
+def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
+    import ray
+
+    from eagle3_ray import online
+    from eagle3_ray.online_worker import OnlineLoop
     from eagle3_ray.raycluster import ensure_ray
 
     ensure_ray(cfg.run)
-    gen = storage.latest(cfg.run.run_dir, "generate")
-    gen_dir, gen_version = gen["path"], gen["version"]
-    version = train_version(cfg, gen_version)
-    out_dir = storage.stage_dir(cfg.run.run_dir, "train", version)
-    if storage.is_complete(out_dir):
-        log("train", "already_complete", version=version, path=out_dir)
-        return storage.read_json(storage.join(out_dir, "summary.json"))
+    created_pgs: list = []
+    try:
+        args, dataset, split = online.prepare(cfg, ingest_dir, out_dir, created_pgs)
+        check_split(split["num_train"], len(split["val_ids"]), cfg)
+        fit(trainer(cfg, out_dir, args, OnlineLoop, train=dataset))
+    finally:
+        for pg in created_pgs:
+            ray.util.remove_placement_group(pg)
+    return finish(out_dir, split, {})
+
+
+def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
+    from eagle3_ray.raycluster import ensure_ray
+    from eagle3_ray.train_worker import WorkerArgs
+
+    ensure_ray(cfg.run)
     capture = storage.read_json(storage.join(gen_dir, "capture.json"))
     refs, problems = prepare_samples(gen_dir, capture, cfg)
-    storage.makedirs(out_dir)
-    split = _write_split_and_vocab(out_dir, refs, cfg, capture)
-    log("train", "start", version=version, num_train=split["num_train"], num_val=len(split["val_ids"]),
-        num_bad_samples=len(problems), workers=cfg.train.num_workers, epochs=cfg.train.epochs)
-    loop_config = {"cfg": cfg.to_dict(), "out_dir": out_dir, "gen_dir": gen_dir, "capture": capture,
-                   "skip_ids": sorted(problems), "val_ids": split["val_ids"]}
-    result = _trainer(cfg, out_dir, version, loop_config).fit()
-    if result.error is not None:
-        raise result.error
-    return _finish(cfg, out_dir, version, problems, split, gen_version)
+    val = [r for r in refs if data.is_validation(r.id, cfg.train.val_fraction)]
+    train_refs = [r for r in refs if not data.is_validation(r.id, cfg.train.val_fraction)]
+    check_split(len(train_refs), len(val), cfg)
+    split = {"val_fraction": cfg.train.val_fraction, "num_train": len(train_refs), "val_ids": sorted(r.id for r in val)}
+    storage.write_json_atomic(storage.join(out_dir, "split.json"), split)
+    vocab_dir = storage.join(out_dir, "vocab")
+    if not vocab.vocab_exists(vocab_dir):
+        counts = vocab.count_tokens((r.input_ids, r.loss_mask) for r in train_refs)
+        vocab.save_vocab(vocab_dir, *vocab.build_vocab(counts, cfg.train.draft_vocab_size, capture["vocab_size"]),
+                         counts)
+    log("train", "plan", num_train=len(train_refs), num_val=len(val), num_bad_samples=len(problems),
+        workers=cfg.train.num_workers, epochs=cfg.train.epochs)
+    args = WorkerArgs(cfg=cfg.to_dict(), out_dir=out_dir, capture=capture, val_ids=split["val_ids"],
+                      train_refs=train_refs, val_refs=val)
+    fit(trainer(cfg, out_dir, args))
+    return finish(out_dir, split, problems)

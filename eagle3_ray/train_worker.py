@@ -12,6 +12,7 @@ import os
 import signal
 import tempfile
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray.train
@@ -54,22 +55,26 @@ def loss_kwargs(cfg: Config) -> dict[str, Any]:
     return train_kwargs
 
 
-def make_loaders(cfg: Config, lc: dict, rank: int, world: int):
-    """(train loader, val loader) over this rank's share of the samples; hidden states stay on disk until read."""
-    import pyarrow.parquet as pq
+@dataclass(slots=True)
+class WorkerArgs:
+    """What every train worker gets from the driver (train.py / online.py), built once there."""
+
+    cfg: dict[str, Any]                 # Config.to_dict()
+    out_dir: str                        # train/{version}/ (any storage)
+    capture: dict[str, Any]             # the generate stage's capture.json
+    val_ids: list[str]                  # validation sample ids
+    train_refs: list[data.SampleRef] = field(default_factory=list)  # offline: the samples to train on
+    val_refs: list[data.SampleRef] = field(default_factory=list)    # offline: the samples to validate on
+    steps_per_epoch: int | None = None  # online: estimated steps (None: the offline loader's length)
+    cache_dir: str | None = None        # online with train.online_cache: where the first epoch's shards go
 
 
-    gen_dir, capture = lc["gen_dir"], lc["capture"]
-    manifest = [r for r in storage.read_parquet(storage.join(gen_dir, "manifest.parquet")).to_pylist()
-                if r["id"] not in set(lc["skip_ids"])]
-    convs = pq.read_table(storage.join(gen_dir, "conversations.parquet"), columns=["id", "input_ids", "loss_mask"])
-    refs = data.build_refs(manifest, {r["id"]: r for r in convs.to_pylist()}, storage.join(gen_dir, "shards"))
-    val_ids = set(lc["val_ids"])
-    num_aux, hidden = len(capture["aux_layer_ids"]), capture["hidden_size"]
+def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int):
+    """(train loader, val loader) over this rank's share of the samples; hidden states stay on storage until read."""
+    num_aux, hidden = len(args.capture["aux_layer_ids"]), args.capture["hidden_size"]
     dtype = torch.bfloat16 if cfg.train.use_gpu else torch.float32
     loaders = []
-    for part, workers in (([r for r in refs if r.id not in val_ids], cfg.train.num_loader_workers),
-                          ([r for r in refs if r.id in val_ids], 0)):
+    for part, workers in ((args.train_refs, cfg.train.num_loader_workers), (args.val_refs, 0)):
         ds = data.ShardDataset(part, num_aux, dtype=dtype, on_bad_sample=cfg.train.on_bad_sample)
         loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
                                         world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers))
@@ -115,12 +120,12 @@ def summarize(sums: dict[str, float], ttt_steps: int, prefix: str) -> dict[str, 
     return out
 
 
-def _step_metrics(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def metric_tensors(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     keep = ("loss_sum", "loss_total", "full_acc_", "cond_acc_")
     return {k: v.detach() for k, v in metric_dict.items() if k.startswith(keep)}
 
 
-def _tensors(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+def to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
@@ -128,26 +133,28 @@ def _maybe_kill(cfg: Config, out_dir: str, epoch: int, step: int, rank: int, wor
     """Test hook: a real SIGKILL of this worker process, once per run (the marker survives the restart)."""
     if cfg.train.kill_worker_at != [epoch, step] or rank != min(1, world - 1):
         return
-    marker = os.path.join(out_dir, "_fault_injected")
-    if os.path.exists(marker):
+    marker = storage.join(out_dir, "_fault_injected")
+    if storage.exists(marker):
         return
-    with open(marker, "w") as f:
-        f.write(f"epoch={epoch} step={step} pid={os.getpid()}\n")
+    storage.write_bytes_atomic(marker, f"epoch={epoch} step={step} pid={os.getpid()}\n".encode())
     log("train", "fault_injection", epoch=epoch, step=step, rank=rank, pid=os.getpid())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Sinks:
-    """Where rank 0's metric records go: a log line, metrics.jsonl, TensorBoard and Ray gauges."""
+    """Where rank 0's metric records go: a log line, metrics.jsonl, TensorBoard and Ray gauges. TensorBoard writes
+    local files: on an object store they are written to a temp dir and uploaded on every `flush()` (each epoch)."""
 
     def __init__(self, out_dir: str, run_name: str, enabled: bool):
-        self.enabled = enabled
+        self.enabled, self.out_dir = enabled, out_dir
         self.tags = {"stage": "train", "run": run_name}
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.jsonl = JsonlWriter(os.path.join(out_dir, "metrics.jsonl"))
-            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+            self.jsonl = JsonlWriter(storage.join(out_dir, "metrics.jsonl"))
+            tb_uri = storage.join(out_dir, "tensorboard")
+            self.tb_dir = storage.local_path(tb_uri) if storage.is_local(tb_uri) else tempfile.mkdtemp(prefix="eagle3-tb-")
+            self.tb = SummaryWriter(self.tb_dir)
 
     def emit(self, kind: str, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -157,31 +164,40 @@ class Sinks:
         for k, v in record.items():
             if isinstance(v, float):
                 self.tb.add_scalar(f"{kind}/{k}", v, step)
-        self.tb.flush()
         loss_key = "train_loss" if kind == "train" else "val_loss"
         metrics.gauge(loss_key, "drafter loss").set(record[loss_key], tags=self.tags)
         acc_key = "train_acc_0" if kind == "train" else "val_acc_0"
         metrics.gauge(acc_key, "drafter first-position accuracy").set(record[acc_key], tags=self.tags)
         metrics.gauge("epoch", "current training epoch").set(record["epoch"], tags=self.tags)
 
+    def flush(self) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.flush()
+        self.tb.flush()
+        tb_uri = storage.join(self.out_dir, "tensorboard")
+        if not storage.is_local(tb_uri):
+            for name in os.listdir(self.tb_dir):
+                storage.copy_file(os.path.join(self.tb_dir, name), storage.join(tb_uri, name))
+
 
 class Loop:
     """One worker's training state and its epoch/validation/checkpoint steps."""
 
-    def __init__(self, lc: dict, steps_per_epoch: int | None = None):
-        """`steps_per_epoch` None: the offline loaders are built and give it; a stream passes its estimate."""
-        self.cfg = config_from_dict(lc["cfg"])
-        self.lc, self.out_dir = lc, lc["out_dir"]
+    def __init__(self, args: WorkerArgs):
+        self.cfg = config_from_dict(args.cfg)
+        self.args, self.out_dir = args, args.out_dir
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         torch.manual_seed(self.cfg.run.seed)
         tc = self.cfg.train
-        self.raw = build_model(self.cfg, lc["capture"], storage.join(self.out_dir, "vocab"), self.device)
+        self.raw = build_model(self.cfg, args.capture, storage.join(self.out_dir, "vocab"), self.device)
         self.model = ray.train.torch.prepare_model(self.raw)
         self.optimizer = torch.optim.AdamW([p for p in self.raw.parameters() if p.requires_grad], lr=tc.lr)
+        steps_per_epoch = args.steps_per_epoch
         if steps_per_epoch is None:
-            self.train_loader, self.val_loader = make_loaders(self.cfg, lc, self.rank, self.world)
+            self.train_loader, self.val_loader = make_loaders(self.cfg, args, self.rank, self.world)
             steps_per_epoch = len(self.train_loader)
         self.steps_per_epoch = steps_per_epoch
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, tc.warmup_steps,
@@ -207,9 +223,9 @@ class Loop:
 
     def _repair_best(self, state: dict) -> None:
         # rank 0 may have died between reporting a new best checkpoint and copying it to best/
-        best_dir = os.path.join(self.out_dir, "best")
-        persisted = os.path.join(self.out_dir, f"epoch_{state['epoch']:04d}")
-        if state["best"] and state["best"]["epoch"] == state["epoch"] and os.path.isdir(persisted):
+        best_dir = storage.join(self.out_dir, "best")
+        persisted = storage.join(self.out_dir, f"epoch_{state['epoch']:04d}")
+        if state["best"] and state["best"]["epoch"] == state["epoch"] and storage.exists(persisted):
             current = checkpoints.latest_record(self.out_dir, best_dir)["best"]
             if current is None or current["epoch"] != state["epoch"]:
                 checkpoints.copy_best(persisted, best_dir)
@@ -222,7 +238,7 @@ class Loop:
         for i, batch in enumerate(self.train_loader):
             wait_s = time.perf_counter() - t_fetch
             _maybe_kill(self.cfg, self.out_dir, epoch, i, self.rank, self.world)
-            tensors = _tensors(batch, self.device)
+            tensors = to_device(batch, self.device)
             with self.autocast:
                 _draft, loss, step_metrics = self.model(**tensors, **self.kwargs)
             self.optimizer.zero_grad(set_to_none=True)
@@ -234,13 +250,16 @@ class Loop:
             self.step += 1
             num_tokens = float((tensors["document_ids"] != -1).sum())
             for sums in (window, epoch_sums):
-                sums.add(_step_metrics(step_metrics), tokens=num_tokens, wait_s=wait_s,
+                sums.add(metric_tensors(step_metrics), tokens=num_tokens, wait_s=wait_s,
                          bad_samples=float(batch["error_records"]))
             if self.step % self.cfg.train.log_every_steps == 0:
                 self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
                 window, t_window = MetricSums(), time.perf_counter()
             t_fetch = time.perf_counter()
         return epoch_sums.reduce()
+
+    def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:
+        return self.train_epoch(epoch), self.validate()
 
     def _log_window(self, sums: dict[str, float], elapsed_s: float, epoch: int, lr: float) -> None:
         record = {"epoch": epoch, **summarize(sums, self.cfg.train.ttt_steps, "train_"), "lr": lr,
@@ -254,13 +273,13 @@ class Loop:
         sums = MetricSums()
         ks = acceptance.replay_lengths(self.cfg.evaluate.num_speculative_tokens, self.cfg.train.ttt_steps)
         for batch in self.val_loader:
-            tensors = _tensors(batch, self.device)
+            tensors = to_device(batch, self.device)
             with self.autocast:
                 draft, _loss, step_metrics = self.model(**tensors, **self.kwargs)
                 targets = acceptance.target_ids(self.raw, tensors["verifier_last_hidden_states"],
                                                 tensors["input_ids"], tensors["document_ids"])
             replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks)
-            sums.add(_step_metrics(step_metrics), bad_samples=float(batch["error_records"]), **replay)
+            sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay)
         reduced = sums.reduce()
         return {**summarize(reduced, self.cfg.train.ttt_steps, "val_"), **acceptance.summarize(reduced, ks),
                 "val_bad_samples": reduced["bad_samples"]}
@@ -273,23 +292,25 @@ class Loop:
         if is_best:
             self.best = {"epoch": epoch, "value": record[tc.best_metric]}
         self.sinks.emit("validation", self.step, record)
-        state = {"epoch": epoch, "step": self.step, "metrics": record, "best": self.best, "config": self.lc["cfg"]}
+        self.sinks.flush()
+        state = {"epoch": epoch, "step": self.step, "metrics": record, "best": self.best, "config": self.args.cfg}
         with tempfile.TemporaryDirectory(prefix="eagle3-ckpt-") as tmp:
             checkpoint = None
             if self.rank == 0:
-                checkpoints.save(tmp, self.raw, self.optimizer, self.scheduler, state, self.lc["capture"])
+                checkpoints.save(tmp, self.raw, self.optimizer, self.scheduler, state, self.args.capture)
                 checkpoint = Checkpoint.from_directory(tmp)
             ray.train.report(record, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{epoch:04d}")
         # report() returns once the files are uploaded, but the controller registers the checkpoint later; a worker
         # that died before that would restart from the previous epoch. Wait for registration on every rank.
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
         if self.rank == 0 and is_best:
-            checkpoints.copy_best(os.path.join(self.out_dir, f"epoch_{epoch:04d}"), os.path.join(self.out_dir, "best"))
+            checkpoints.copy_best(storage.join(self.out_dir, f"epoch_{epoch:04d}"), storage.join(self.out_dir, "best"))
 
 
-def train_loop(lc: dict) -> None:
-    loop = Loop(lc)
+def train_loop(config: dict) -> None:
+    """Every worker's function, for both sources; online training passes its stream-reading Loop subclass."""
+    loop = config.get("loop_cls", Loop)(config["args"])
     loop.restore()
     for epoch in range(loop.start_epoch, loop.cfg.train.epochs):
-        train_sums = loop.train_epoch(epoch)
-        loop.end_epoch(epoch, train_sums, loop.validate())
+        train_sums, val = loop.run_epoch(epoch)
+        loop.end_epoch(epoch, train_sums, val)

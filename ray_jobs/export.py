@@ -1,4 +1,4 @@
-"""Export a trained drafter for vLLM: train/LATEST.json -> export/{version}/speculators/ (speculators-format config
+"""Export a trained drafter for vLLM: the train output -> export/{version}/speculators/ (speculators-format config
 with the verifier and captured aux layer ids, bf16 safetensors, no optimizer state, no frozen verifier weights).
 The capture/serving contract is checked before and after writing.
 

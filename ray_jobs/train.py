@@ -1,5 +1,5 @@
 """Train the EAGLE-3 drafter on the generate stage's hidden states with Ray Train: train/{version}/ (epoch
-checkpoints, best/, vocab/, metrics.jsonl, tensorboard/) and train/LATEST.json. Prints a metrics line per epoch.
+checkpoints, best/, vocab/, metrics.jsonl, tensorboard/). Prints metrics lines every few steps and per epoch.
 
     python ray_jobs/train.py ray_jobs/configs/tiny_cpu.yaml [train.epochs=3 train.num_workers=2]
     ray job submit --working-dir . -- python ray_jobs/train.py ray_jobs/configs/llama3_8b.yaml run.name=demo

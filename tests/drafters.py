@@ -109,8 +109,10 @@ def write_checkpoint(model, opt, sched, run_dir: Path, capture: dict, *, epoch: 
     checkpoints.save(str(ckpt), model, opt, sched, {"epoch": epoch, "step": steps, "metrics": metrics}, capture)
     if best:
         checkpoints.copy_best(str(ckpt), str(train_dir / "best"))
-    storage.set_latest(str(run_dir), "train", "v-test",
-                       **checkpoints.latest_record(str(train_dir), str(train_dir / "best")))
+    record = checkpoints.latest_record(str(train_dir), str(train_dir / "best"))
+    storage.write_json_atomic(str(train_dir / "summary.json"), {**record, "version": "v-test", "path": str(train_dir)})
+    storage.mark_complete(str(train_dir), {"version": "v-test"})
+    storage.set_latest(str(run_dir), "train", "v-test", record)
     return ckpt
 
 
@@ -127,7 +129,21 @@ def write_generate_stub(run_dir: Path, conversations: list[dict], capture: dict)
     rows = [{"id": conversation_id(c["messages"]), "messages": c["messages"]} for c in conversations]
     storage.write_parquet_atomic(str(gen_dir / "conversations.parquet"), pa.Table.from_pylist(rows))
     storage.write_json_atomic(str(gen_dir / "capture.json"), capture)
+    storage.write_json_atomic(str(gen_dir / "summary.json"), {"version": "v-test", "path": str(gen_dir)})
+    storage.mark_complete(str(gen_dir), {"version": "v-test"})
     storage.set_latest(str(run_dir), "generate", "v-test")
+
+
+def attach(cfg):
+    """Make a stand-in run's generate/ and train/ outputs (v-test) the ones `cfg` determines: their version dirs
+    become symlinks to v-test. Returns `cfg`."""
+    from eagle3_ray import stage
+
+    for name in ("generate", "train"):
+        link = Path(stage.output_dir(cfg, name))
+        if not link.exists():
+            link.symlink_to("v-test", target_is_directory=True)  # relative: a copied run dir links to its own
+    return cfg
 
 
 def cached_run(tmp_path_factory, verifier_dir: str, name: str, **kwargs) -> Path:

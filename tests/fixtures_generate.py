@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from pathlib import Path
 
 import pyarrow as pa
 import torch
 
-from eagle3_ray import shards, storage
+from eagle3_ray import shards, stage, storage
 
 AUX_LAYER_IDS = [1, 3, 4]
 WORDS = ["def", "class", "return", "import", "self", "value", "list", "dict", "path", "file", "error", "count",
@@ -126,16 +127,18 @@ def build_generate_output(run_dir: str, verifier_dir: str, *, num_samples: int =
         "vocab_size": model.config.vocab_size, "verifier_path": verifier_dir,
         "verifier_architectures": list(model.config.architectures or ["LlamaForCausalLM"]),
         "model_dtype": "float32", "hidden_states_dtype": hidden_states_dtype})
-    storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": num_samples})
+    storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": num_samples, "path": out_dir})
     storage.mark_complete(out_dir, {"num_samples": num_samples})
     storage.set_latest(run_dir, "generate", version)
     return out_dir
 
 
-def point_generate_at(run_dir: str, gen_dir: str) -> None:
-    """Make another run dir read an existing generate output (generate/LATEST.json names it by path)."""
-    storage.write_json_atomic(storage.join(run_dir, "generate", "LATEST.json"),
-                              {"version": gen_dir.rstrip("/").rsplit("/", 1)[1], "path": gen_dir})
+def point_generate_at(cfg, gen_dir: str) -> None:
+    """Make an existing generate output the one `cfg` determines: its version dir becomes a symlink to `gen_dir`."""
+    link = Path(stage.output_dir(cfg, "generate"))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(gen_dir, target_is_directory=True)
 
 
 def shared_generate_output(tmp_path_factory, verifier_dir: str, **kwargs) -> str:

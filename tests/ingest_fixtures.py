@@ -7,7 +7,7 @@ import json
 
 import pyarrow as pa
 
-from eagle3_ray import storage
+from eagle3_ray import stage, storage
 
 TOPICS = ["parse a csv file", "sort a list of tuples", "read a json config", "retry a network call", "merge two dicts",
           "walk a directory tree", "format a date", "count words in a file", "validate an email address",
@@ -32,8 +32,8 @@ def conversations(num_single: int = 24, num_multi: int = 4, long_words: int = 0)
     return convs
 
 
-def write_ingest(run_dir: str, tokenizer, convs: list[list[dict]], version: str = "fixture") -> pa.Table:
-    """ingest/{version}/conversations.parquet as docs/stages.md specifies, plus LATEST.json."""
+def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> pa.Table:
+    """ingest/{version}/conversations.parquet as docs/stages.md specifies, at the version `cfg` determines."""
     rows = []
     for i, msgs in enumerate(convs):
         first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
@@ -44,8 +44,8 @@ def write_ingest(run_dir: str, tokenizer, convs: list[list[dict]], version: str 
     schema = pa.schema([("id", pa.string()), ("messages", MESSAGES_TYPE), ("source", pa.string()),
                         ("num_turns", pa.int32()), ("num_prompt_tokens", pa.int32())])
     table = pa.Table.from_pylist(rows, schema=schema)
-    out = storage.stage_dir(run_dir, "ingest", version)
+    out = stage.output_dir(cfg, "ingest")
     storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table)
+    storage.write_json_atomic(storage.join(out, "summary.json"), {"rows_ok": table.num_rows})
     storage.mark_complete(out, {"rows_ok": table.num_rows})
-    storage.set_latest(run_dir, "ingest", version)
     return table

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from drafters import cached_run
-from eagle3_ray import evaluate, export, storage
+from eagle3_ray import evaluate, export, report, storage
 from eagle3_ray.config import config_from_dict, dump_config
 
 ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8}
@@ -170,3 +170,111 @@ def test_engine_actor_copies_a_drafter_on_storage_to_its_own_node(trained, tiny_
         shutil.rmtree(copied)
     local, none = evaluate.local_engine_args(evaluate.engine_args(cfg, tiny_llama, drafter, 3), cfg)
     assert none is None and local["speculative_config"]["model"] == drafter
+
+
+def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], max_tokens: int, k: int) -> dict:
+    """Training's replay estimate (acceptance.py) computed on the evaluate prompts themselves: the verifier's greedy
+    continuation in transformers with its hidden states laid out as the generate stage stores them (input_ids[:T],
+    T = tokens - 1; final layer pre-norm), the exported drafter's TTT predictions, vLLM's chain replayed."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.models.eagle3.data import shift_batch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eagle3_ray import acceptance
+
+    tok = AutoTokenizer.from_pretrained(verifier_dir)
+    verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    pre_norm = {}
+    verifier.model.norm.register_forward_hook(lambda mod, args, out: pre_norm.__setitem__("h", args[0]))
+    config = Eagle3SpeculatorConfig.from_pretrained(drafter_dir)
+    config.transformer_layer_config._attn_implementation = "sdpa"  # speculators' flex attention has no CPU path here
+    drafter = Eagle3DraftModel.from_pretrained(drafter_dir, config=config).float().eval()
+    with torch.no_grad():  # the export leaves the embeddings out: vLLM shares the verifier's, so does this copy
+        drafter.embed_tokens.weight.copy_(verifier.model.embed_tokens.weight)
+    aux, num_layers = drafter.config.eagle_aux_hidden_state_layer_ids, verifier.config.num_hidden_layers
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", ttt_steps=k,
+                                                    ttt_step_loss_decay=1.0)
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for p in prompts:
+            prompt = tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_dict=False)
+            full = verifier.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[:, :-1]
+            layers = verifier(full, output_hidden_states=True).hidden_states  # shape: L+1 x [1, T, H]
+            mask = torch.zeros(full.shape[1], dtype=torch.long)
+            mask[len(prompt):] = 1
+            batch = shift_batch({"input_ids": full[0], "hidden_states": torch.cat([layers[i][0] for i in aux], -1),
+                                 "verifier_last_hidden_states": pre_norm["h"][0], "loss_mask": mask,
+                                 "lengths": torch.tensor([full.shape[1]]), "position_ids": torch.arange(full.shape[1])})
+            batch = {name: v[None] for name, v in batch.items() if name != "lengths"}
+            docs = torch.zeros_like(batch["input_ids"])
+            draft, _, _ = drafter(**batch, document_ids=docs, **kwargs)
+            targets = acceptance.target_ids(drafter, batch["verifier_last_hidden_states"], batch["input_ids"], docs)
+            for name, v in acceptance.replay_counts(draft, targets, batch["loss_mask"], docs, [k]).items():
+                sums[name] = sums.get(name, 0.0) + v
+    assert num_layers not in aux
+    return acceptance.summarize(sums, [k])
+
+
+def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_acceptance_length(trained, tiny_llama):
+    cfg = make_cfg(trained["run_dir"], tiny_llama)
+    drafter = trained["results"]["drafter_dir"]
+    predicted = replay_on_prompts(tiny_llama, drafter, evaluate.load_prompts(cfg), cfg.evaluate.max_tokens, 3)
+    rows = trained["results"]["rows"]
+    measured, measured_pos = report.measured_acceptance([r for r in rows if r["concurrency"] == 1], 3)
+    print(f"k=3 mean acceptance length: replay {predicted['val_replay_acceptance_length_k3']:.3f} "
+          f"vLLM {measured:.3f}; per position replay "
+          f"{[round(predicted[f'val_replay_acc_k3_{j}'], 3) for j in range(3)]} vLLM {[round(a, 3) for a in measured_pos]}")
+    assert abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05
+    [check] = evaluate.predicted_vs_measured(predicted, rows, {3: trained["results"]["vllm_speculative"]["3"]})
+    assert not check["flagged"] and check["predicted_acceptance_length"] == predicted["val_replay_acceptance_length_k3"]
+
+
+def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_next_to_measured(trained):
+    results = trained["results"]
+    assert results["vllm_speculative"]["3"]["drafter_flags"] == {"norm_before_residual": True, "norm_before_fc": True,
+                                                                "fc_norm": False, "norm_output": True}
+    [item] = results["predicted_vs_measured"]
+    assert item["num_speculative_tokens"] == 3 and item["measured_acceptance_length"] > 1.0
+    assert len(item["measured_per_position"]) == 3 and "k=3: mean acceptance length predicted" in \
+        report.summary_table(results)
+    assert "Predicted (training's replay of vLLM's chain" in (Path(trained["out_dir"]) / "report.md").read_text()
+
+
+def spec_row_for(k: int, num_drafts: int, accepted_per_pos: list[int]) -> dict:
+    return {"num_speculative_tokens": k, "concurrency": 1, "num_drafts": num_drafts,
+            "num_accepted_tokens": sum(accepted_per_pos),
+            "acceptance_per_position": [a / num_drafts for a in accepted_per_pos]}
+
+
+def test_a_prediction_far_from_vllm_is_flagged_naming_what_to_check_and_a_close_one_is_not():
+    rows = [spec_row_for(3, 100, [40, 20, 10])]  # measured mean acceptance length 1.70
+    info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
+    close = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info)[0]
+    assert close["gap"] == pytest.approx(-0.02) and not close["flagged"]
+    far = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 2.2}, rows, info)[0]
+    assert far["flagged"] and "likely a contract problem" in far["message"]
+    assert "aux layer ids vLLM feeds the drafter ([1, 3, 4])" in far["message"]
+    assert "{'norm_output': False}" in far["message"] and "chat template" in far["message"]
+    missing = evaluate.predicted_vs_measured({"val_acc_0": 0.5}, rows, info)[0]
+    assert missing["predicted_acceptance_length"] is None and "no prediction" in missing["message"]
+
+
+def test_acceptance_plot_has_integer_draft_positions_and_prediction_on_the_measured_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [spec_row_for(5, 100, [60, 40, 30, 20, 10])]
+    results = {"rows": rows, "predicted_vs_measured": [{"num_speculative_tokens": 5,
+                                                        "predicted_per_position": [0.6, 0.45, 0.3, 0.2, 0.1]}]}
+    fig = report.acceptance_figure(plt, results)
+    [ax] = fig.axes
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 5]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    measured, predicted = ax.get_lines()
+    assert list(measured.get_ydata()) == [0.6, 0.4, 0.3, 0.2, 0.1] and measured.get_color() == predicted.get_color()
+    assert predicted.get_linestyle() == "--"
+    plt.close(fig)

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from drafters import cached_run
+from drafters import attach, cached_run
 from eagle3_ray import contract, export, storage
 from eagle3_ray.config import config_from_dict
 
 
 def make_cfg(run_dir, verifier_dir: str, **export_fields):
-    return config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                             "verifier": {"path": verifier_dir, "max_model_len": 512},
-                             "export": export_fields})
+    return attach(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                                    "verifier": {"path": verifier_dir, "max_model_len": 512},
+                                    "export": export_fields}))
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +77,16 @@ def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exp
     last = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
     assert last["version"] != exported["version"] and last["checkpoint"]["epoch"] == 1
     again = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
-    assert again == last and "skip reason=already exported" in capsys.readouterr().out
+    assert again.pop("skipped") and again == last and "already_done" in capsys.readouterr().out
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
 
 
 def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama, tmp_path):
     bad_run = tmp_path / "bad"
-    shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"))
+    shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"), symlinks=True)
     best = storage.latest(str(run_dir), "train")["best"]["path"]
-    latest = storage.latest(str(run_dir), "train")
-    text = json.dumps(latest).replace(str(run_dir), str(bad_run))
-    (bad_run / "train" / "LATEST.json").write_text(text)
+    summary = bad_run / "train" / "v-test" / "summary.json"
+    summary.write_text(summary.read_text().replace(str(run_dir), str(bad_run)))
     config_path = bad_run / best.removeprefix(str(run_dir) + "/") / "config.json"
     config = json.loads(config_path.read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]

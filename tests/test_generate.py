@@ -46,7 +46,7 @@ def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> "C
 def ingest(cfg, verifier: str, **kwargs):
     from transformers import AutoTokenizer
 
-    return write_ingest(cfg.run.run_dir, AutoTokenizer.from_pretrained(verifier), conversations(**kwargs))
+    return write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(**kwargs))
 
 
 def out_dir(cfg) -> str:
@@ -222,9 +222,9 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
 
 
 def _out_dir_while_running(cfg) -> str:
-    from eagle3_ray.generate import stage_version
+    from eagle3_ray import stage
 
-    return storage.stage_dir(cfg.run.run_dir, "generate", stage_version(cfg, "fixture"))
+    return stage.output_dir(cfg, "generate")
 
 
 def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama, ray_session):

@@ -34,7 +34,7 @@ def run_online(cfg, verifier: str) -> dict:
 
     from eagle3_ray.train import run
 
-    write_ingest(cfg.run.run_dir, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
+    write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
     return run(cfg)
 
 

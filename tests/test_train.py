@@ -40,7 +40,7 @@ def reference(ray_session, gen_dir, tmp_path_factory):
     """An uninterrupted run: (cfg, summary, its train dir)."""
     root = tmp_path_factory.mktemp("runs")
     cfg = _cfg(root, "reference")
-    point_generate_at(cfg.run.run_dir, gen_dir)
+    point_generate_at(cfg, gen_dir)
     summary = train.run(cfg)
     return cfg, summary, storage.stage_dir(cfg.run.run_dir, "train", summary["version"])
 
@@ -83,13 +83,13 @@ def test_only_last_n_and_best_checkpoints_remain_with_only_trainable_state(refer
 def test_finished_run_rerun_is_a_no_op(reference, capsys):
     cfg, summary, _out = reference
     assert train.run(cfg) == summary
-    assert "already_complete" in capsys.readouterr().out
+    assert "already_done" in capsys.readouterr().out
 
 
 def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(reference, gen_dir, tmp_path):
     _ref_cfg, ref_summary, ref_dir = reference
     cfg = _cfg(tmp_path, "killed", kill_worker_at=[1, 2], max_failures=1)
-    point_generate_at(cfg.run.run_dir, gen_dir)
+    point_generate_at(cfg, gen_dir)
     summary = train.run(cfg)
     out_dir = storage.stage_dir(cfg.run.run_dir, "train", summary["version"])
     assert os.path.exists(os.path.join(out_dir, "_fault_injected"))  # a worker really was SIGKILLed
@@ -104,7 +104,7 @@ def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(re
 def test_resubmitted_job_resumes_at_the_next_epoch(reference, gen_dir, tmp_path, capfd):
     _ref_cfg, ref_summary, _ref_dir = reference
     failing = _cfg(tmp_path, "resubmit", kill_worker_at=[1, 1], max_failures=0)
-    point_generate_at(failing.run.run_dir, gen_dir)
+    point_generate_at(failing, gen_dir)
     with pytest.raises(Exception, match="(?i)worker|died|training failed"):
         train.run(failing)
     summary = train.run(_cfg(tmp_path, "resubmit"))
