@@ -5,6 +5,8 @@ A row is one (num_speculative_tokens, concurrency) measurement; `num_speculative
     mean_acceptance_length  = 1 + accepted / drafts   (tokens emitted per verifier step; 1.0 = no gain)
     acceptance_per_position = accepted at position i / drafts   (the chance the i-th draft token survives)
     speedup                 = output tokens/s with the drafter / without it, same prompts and concurrency
+Predicted acceptance (`predicted_vs_measured`) is training's replay of vLLM's draft/verify chain over the validation
+split (eagle3_ray/acceptance.py), shown next to the measured one; a gap past evaluate.PREDICTION_TOLERANCE is flagged.
 """
 
 from __future__ import annotations
@@ -63,11 +65,54 @@ def summary_table(results: dict[str, Any]) -> str:
                      f"{r['tokens_per_s']:>11.1f} {r['speedup']:>7.2f}x {r['acceptance_rate']:>7.3f} "
                      f"{r['mean_acceptance_length']:>9.3f} {same:>10}  "
                      + " ".join(f"{a:.3f}" for a in r["acceptance_per_position"]))
+    lines += prediction_lines(results)
     g = results["gate"]
     verdict = "PASS" if g["passed"] else "FAIL"
     lines.append(f"deploy gate: {verdict} (recommended num_speculative_tokens={g['recommended_num_speculative_tokens']})"
                  + "".join(f"\n  miss: {m}" for m in g["misses"]))
     return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
+def measured_acceptance(rows: list[dict[str, Any]], k: int) -> tuple[float, list[float]]:
+    """vLLM's mean acceptance length and per-position acceptance for draft length k, over every concurrency."""
+    krows = [r for r in rows if r["num_speculative_tokens"] == k]
+    drafts = sum(r["num_drafts"] for r in krows) or 1
+    per_position = [sum(r["acceptance_per_position"][j] * r["num_drafts"] for r in krows) / drafts for j in range(k)]
+    return 1.0 + sum(r["num_accepted_tokens"] for r in krows) / drafts, per_position
+
+
+def prediction_lines(results: dict[str, Any]) -> list[str]:
+    """One line per draft length: mean acceptance length predicted by training's replay vs measured in vLLM."""
+    lines = []
+    for p in results.get("predicted_vs_measured", []):
+        gap = "" if p["gap"] is None else f" (gap {p['gap']:+.3f})"
+        lines.append(f"k={p['num_speculative_tokens']}: mean acceptance length predicted "
+                     f"{_fmt(p['predicted_acceptance_length'])}, measured {p['measured_acceptance_length']:.3f}{gap}"
+                     + (f"\n  FLAGGED: {p['message']}" if p["flagged"] else ""))
+    return lines
+
+
+def _prediction_table(results: dict[str, Any]) -> list[str]:
+    rows = results.get("predicted_vs_measured", [])
+    if not rows:
+        return []
+    table = ["| k | predicted mean acceptance length | measured | gap | predicted per position | measured per position |",
+             "|" + "---|" * 6]
+    table += [f"| {p['num_speculative_tokens']} | {_fmt(p['predicted_acceptance_length'])} | "
+              f"{p['measured_acceptance_length']:.3f} | {_signed(p['gap'])} | "
+              f"{', '.join(_fmt(a) for a in p['predicted_per_position'])} | "
+              f"{', '.join(f'{a:.3f}' for a in p['measured_per_position'])} |" for p in rows]
+    notes = [f"- {p['message']}" for p in rows if p["message"]]
+    return ["Predicted (training's replay of vLLM's chain over the validation split) vs measured:", "", *table, "",
+            *notes, ""]
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -88,7 +133,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"- aux layers: captured {results['capture_aux_layer_ids']}, used by vLLM {results['vllm_aux_layer_ids']}", "",
         f"**Deploy gate: {'PASS' if g['passed'] else 'FAIL'}** (thresholds {g['thresholds']}; recommended "
         f"num_speculative_tokens={g['recommended_num_speculative_tokens']})", "", "Misses:" + misses, "",
-        *table, "", "![acceptance per position](acceptance_per_position.png)", "",
+        *table, "", *_prediction_table(results), "![acceptance per position](acceptance_per_position.png)", "",
         "![throughput vs concurrency](throughput_vs_concurrency.png)", ""])
 
 
@@ -106,15 +151,7 @@ def plots(results: dict[str, Any]) -> dict[str, bytes]:
 
     rows = results["rows"]
     ks = sorted({r["num_speculative_tokens"] for r in rows if r["num_speculative_tokens"]})
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for k in ks:
-        krows = [r for r in rows if r["num_speculative_tokens"] == k]
-        drafts = sum(r["num_drafts"] for r in krows) or 1
-        per_pos = [sum(r["acceptance_per_position"][i] * r["num_drafts"] for r in krows) / drafts for i in range(k)]
-        ax.plot(range(1, k + 1), per_pos, marker="o", label=f"k={k}")
-    ax.set(xlabel="draft position", ylabel="acceptance", title="Acceptance per draft position", ylim=(0, 1))
-    ax.legend()
-    acceptance = _png(fig)
+    acceptance = _png(acceptance_figure(plt, results))
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for k in [0, *ks]:
         krows = sorted((r for r in rows if r["num_speculative_tokens"] == k), key=lambda r: r["concurrency"])
@@ -125,6 +162,27 @@ def plots(results: dict[str, Any]) -> dict[str, bytes]:
     throughput = _png(fig)
     plt.close("all")
     return {"acceptance_per_position.png": acceptance, "throughput_vs_concurrency.png": throughput}
+
+
+def acceptance_figure(plt, results: dict[str, Any]):
+    """Measured per-position acceptance (solid) and training's prediction (dashed, same colour) on the same axes;
+    draft positions are integers."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    rows = results["rows"]
+    predicted = {p["num_speculative_tokens"]: p["predicted_per_position"]
+                 for p in results.get("predicted_vs_measured", [])}
+    for k in sorted({r["num_speculative_tokens"] for r in rows if r["num_speculative_tokens"]}):
+        positions = list(range(1, k + 1))
+        line, = ax.plot(positions, measured_acceptance(rows, k)[1], marker="o", label=f"k={k} measured (vLLM)")
+        if predicted.get(k) and None not in predicted[k]:
+            ax.plot(positions, predicted[k], marker="s", linestyle="--", color=line.get_color(),
+                    label=f"k={k} predicted (training replay)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="draft position", ylabel="acceptance", title="Acceptance per draft position", ylim=(0, 1))
+    ax.legend(fontsize="small")
+    return fig
 
 
 def write(out_dir: str, results: dict[str, Any]) -> None:
