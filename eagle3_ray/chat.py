@@ -160,6 +160,7 @@ class Conversation:
                                             "include_output_tokens": include_output}}
         params = SamplingParams(temperature=gen.temperature, top_p=gen.top_p,
                                 seed=request_seed(self.cfg.run.seed, self.record["id"], self.turn),
+                                ignore_eos=gen.ignore_eos and max_tokens > 1,
                                 max_tokens=min(max_tokens, self.max_model_len - len(prompt)), extra_args=extra)
         return request_id, {"prompt_token_ids": prompt}, params
 

@@ -137,6 +137,7 @@ class EngineActor:
                  kind: str = "generate"):
         from transformers import AutoTokenizer
 
+        self.start_time = time.time()
         self.cfg = config_from_dict(cfg_dict)
         verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
         self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
@@ -164,7 +165,8 @@ class EngineActor:
 
         from eagle3_ray.layers import text_config
 
-        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code))
+        trust = self.cfg.verifier.trust_remote_code
+        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust))
         itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
         return len(self.layer_ids) * hf.hidden_size * itemsize
 
@@ -175,7 +177,7 @@ class EngineActor:
 
         children = psutil.Process().children(recursive=True)
         info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch,
-                "kind": self.kind}
+                "kind": self.kind, "start_time": self.start_time, "ready_time": time.time()}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
         telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
         return [p for p in children if "VLLM" in p.name() + " ".join(p.cmdline())]

@@ -299,7 +299,8 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
     check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
     hs[0, 2, 5] = float("nan")
     with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
-        check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x")
+        check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs),
+                     [1, 3, 6], "x")
     totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
 
@@ -354,7 +355,8 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
     summary = run(two)
     one_out, two_out = _out_dir_while_running(cfg), out_dir(two)
     assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
-    conv = {d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()} for d in (one_out, two_out)}
+    conv = {d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()}
+            for d in (one_out, two_out)}
     man = {d: {r["id"]: r for r in pq.read_table(f"{d}/manifest.parquet").to_pylist()} for d in (one_out, two_out)}
     assert conv[one_out].keys() == conv[two_out].keys()
     assert sum(len(r["messages"]) == 4 for r in conv[two_out].values()) == 3
@@ -367,7 +369,8 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
         h2 = shards.read_sample(f"{two_out}/shards/{m2['shard']}", m2["key"])
         assert ((h1 - h2).norm() / h1.norm()).item() < 1e-5
     assert not Path(two_out, "generated").exists()
-    assert_every_sample_exactly_once(two_out, table, [r["id"] for r in pq.read_table(f"{two_out}/rejects.parquet").to_pylist()])
+    rejected = [r["id"] for r in pq.read_table(f"{two_out}/rejects.parquet").to_pylist()]
+    assert_every_sample_exactly_once(two_out, table, rejected)
 
 
 def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(tmp_path, tiny_llama,

@@ -5,6 +5,9 @@ export E3R_SITE="${E3R_SITE:-/tmp/site}"
 export PYTHONPATH="$E3R_SITE:$_repo${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$E3R_SITE/bin:$PATH"
 export PYTHONUNBUFFERED=1
+# A process that touches CUDA before vllm.LLM (the benches) fails with "Cannot re-initialize CUDA in forked
+# subprocess" under fork (FACTS.md); inside Ray actors vLLM picks spawn itself.
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 # No flashinfer-cubin is carried: vLLM's flashinfer sampler would need it (FACTS.md).
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # NVLink multicast stays off on the shared multi-GPU hosts (KINDS.md): keep these, also for child processes.

@@ -5,13 +5,17 @@
 #   generate       ingest + generate stages through ray_jobs/pipeline.py with bench/gpu/h200_llama3_8b.yaml
 #   check          captured hidden states vs a transformers forward pass (bench/gpu/check_capture.py)
 #   capture_bench  plain vLLM prefill vs prefill + capture through our connector, and the roofline
+#   generate_bench the generate stage (generate, two_pass, capture_only) vs plain vLLM generation, the engine with
+#                  capture in one call and connector-level prefill capture, same prompts (bench/gpu/generate_bench.py)
 #
 #   bash bench/gpu/run_checks.sh verifier generate check
 #   bash bench/gpu/run_checks.sh capture_bench
+#   E3R_GENERATE_BENCH_ARGS="--out-lens 256" bash bench/gpu/run_checks.sh generate_bench
 #
 # Rehearsal here on CPU (tiny verifier, few prompts): E3R_CPU=1 PY=.venv/bin/python bash bench/gpu/run_checks.sh ...
 # Knobs: E3R_PRESET, E3R_VERIFIER, E3R_RUNS, E3R_RECIPE, E3R_OVERRIDES (extra section.field=value for the
-# pipeline), E3R_BENCH_ARGS (extra capture_bench.py arguments).
+# pipeline), E3R_BENCH_ARGS (extra capture_bench.py arguments), E3R_GENERATE_BENCH_ARGS (extra generate_bench.py
+# arguments, e.g. --out-lens 2048 --modes plain,capture,stage_generate,stage_two_pass).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source bench/gpu/env.sh
@@ -23,8 +27,10 @@ if [ -n "${E3R_CPU:-}" ]; then
     preset=tiny recipe=ray_jobs/configs/tiny_cpu.yaml
     extra="run.name=gpu-rehearsal ingest.max_rows=12 generate.max_tokens=32 verifier.aux_layer_ids=[1,3,4]"
     bench="--num-prompts 8 --prompt-len 128 --num-warmup 2 --aux-layer-ids [1,3,4]"
+    gbench="--tiny --num-prompts 8 --out-lens 32"
 else
     preset=llama3-8b recipe=bench/gpu/h200_llama3_8b.yaml extra="" bench="--num-prompts 128 --prompt-len 2048"
+    gbench="--num-prompts 200"
 fi
 preset="${E3R_PRESET:-$preset}"
 verifier="${E3R_VERIFIER:-/tmp/verifiers/$preset}"
@@ -67,6 +73,12 @@ step_capture_bench() {
     "$PY" bench/gpu/capture_bench.py "$verifier" $bench ${E3R_BENCH_ARGS:-} --out "$OUT/capture_bench.json"
 }
 
+step_generate_bench() {
+    # shellcheck disable=SC2086  # gbench and E3R_GENERATE_BENCH_ARGS are lists of arguments
+    "$PY" bench/gpu/generate_bench.py "$verifier" $gbench ${E3R_GENERATE_BENCH_ARGS:-} --work /tmp/generate_bench \
+        --out "$OUT/generate_bench.json"
+}
+
 step_tp2() {
     # One replica with tensor parallel 2: a STRICT_PACK placement group of 2 GPU bundles and vLLM's Ray executor.
     # shellcheck disable=SC2086
@@ -89,7 +101,7 @@ step_train_bench() {
     "$PY" bench/gpu_train_bench.py --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 verifier|generate|check|capture_bench ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 verifier|generate|check|capture_bench|generate_bench ..." >&2; exit 2; }
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
 for step in "$@"; do
     declare -F "step_$step" >/dev/null || { echo "unknown step $step" >&2; exit 2; }

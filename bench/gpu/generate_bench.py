@@ -1,0 +1,270 @@
+"""The generate stage against the vLLM engine it wraps, on identical prompts, in one call (issues 13 and 14).
+
+    python3 bench/gpu/generate_bench.py /tmp/verifiers/llama3-8b --out-lens 256,2048 --out $OUT/generate_bench.json
+    .venv/bin/python bench/gpu/generate_bench.py --tiny --out /tmp/generate_bench/result.json   # CPU rehearsal
+
+Prompts: the first turn (system + user) of `tiny_prompts` (the 200 builtin prompts), greedy, ignore_eos, so every
+path generates exactly `out_len` tokens per prompt. Each measurement runs in a fresh process (one engine alive at a
+time) and prints one `RESULT {json}` line:
+  plain           vllm.LLM.generate, all prompts in one call, no capture
+  capture         the same engine + extract_hidden_states + the project's connector (include_output_tokens), one call
+  prefill         connector-level capture of the plain run's finished sequences (max_tokens=1): what capture_only wraps
+  stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
+Rates exclude engine start (reported apart): engine rows time the generate() call (and the capture files being
+complete); stage rows time from the first engine ready (engines/*.json) to the last commit (parts/*.parquet), less
+the capture engine's start in two_pass; `total_wall_s` is the stage's own wall, starts included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
+from eagle3_ray.config import config_from_dict  # noqa: E402
+
+GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
+CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
+
+
+def make_cfg(args, work: str, mode: str, out_len: int):
+    gpu = not args.tiny
+    return config_from_dict({
+        "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
+        "verifier": {"path": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+                     "aux_layer_ids": args.aux_layer_ids},
+        "generate": {"mode": mode, "max_tokens": out_len, "ignore_eos": True, "temperature": 0.0,
+                     "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
+                     "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
+                     "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": 1 << 30}})
+
+
+def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    from eagle3_ray.prompts import tiny_prompts
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    convs = []
+    for row in tiny_prompts(num_prompts=args.num_prompts):
+        first_user = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
+        convs.append(row["messages"][:first_user + 1])
+    ids = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"] for c in convs]
+    return convs, ids
+
+
+def engine_child(args, mode: str, out_len: int) -> dict:
+    """plain / capture / prefill through vllm.LLM with the stage's own engine arguments."""
+    from vllm import LLM, SamplingParams
+
+    from eagle3_ray.engine import engine_kwargs
+    from eagle3_ray.generate_output import capture_contract
+
+    cfg = make_cfg(args, args.work, "generate", out_len)
+    contract = capture_contract(cfg, args.model)
+    scratch = os.path.join(args.work, "scratch", mode)
+    shutil.rmtree(scratch, ignore_errors=True)
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=mode != "plain"))
+    start_s = time.perf_counter() - t0
+    _, prompts = prompt_ids(args)
+    if mode == "prefill":  # the plain run's finished sequences, as capture_only would see them
+        prompts = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
+    paths = [os.path.join(scratch, f"req-{i:05d}.safetensors") for i in range(len(prompts))]
+    capture = [{"kv_transfer_params": {"hidden_states_path": p, "include_output_tokens": mode == "capture"}}
+               for p in paths]
+    params = [SamplingParams(temperature=0.0, max_tokens=1 if mode == "prefill" else out_len,
+                             ignore_eos=mode != "prefill", extra_args=None if mode == "plain" else extra)
+              for extra in capture]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    num_bytes = 0 if mode == "plain" else files_complete(paths)
+    wall_s = time.perf_counter() - t0
+    out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
+    if mode == "plain":
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        Path(args.work, f"plain-{out_len}-sequences.json").write_text(json.dumps(seqs))
+    shutil.rmtree(scratch, ignore_errors=True)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "wall_s": wall_s,
+            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
+            "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s}
+
+
+def files_complete(paths: list[str]) -> int:
+    """Wait for every capture file (shared flock on its .lock = the writer is done); their total bytes."""
+    for p in paths:
+        if os.path.exists(p + ".lock"):
+            with open(p + ".lock") as lock:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+    return sum(os.path.getsize(p) for p in paths)
+
+
+def stage_child(args, mode: str, out_len: int) -> dict:
+    """The generate stage on the same prompts (capture_only: on the plain run's decoded responses)."""
+    import ray
+
+    from eagle3_ray.generate import run
+
+    cfg = make_cfg(args, args.work, mode, out_len)
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
+    write_ingest(cfg, args, mode, out_len)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
+    try:
+        summary = run(cfg)
+    finally:
+        ray.shutdown()
+    out = summary["path"]
+    engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
+    first_ready = min(e["ready_time"] for e in engines)
+    last_commit = max(os.path.getmtime(p) for p in glob.glob(f"{out}/parts/*.parquet"))
+    second_start = sum(e["ready_time"] - e["start_time"] for e in engines if e["kind"] == "prefill") \
+        if mode == "two_pass" else 0.0
+    wall_s = last_commit - first_ready - second_start
+    conv = generate_table(out)
+    out_tokens = sum(conv["num_response_tokens"]) if mode != "capture_only" else 0
+    prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
+    return {"mode": f"stage_{mode}", "out_len": out_len, "wall_s": wall_s, "total_wall_s": summary["run_wall_s"],
+            "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines], "prompt_tokens": prompt_tokens,
+            "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
+            "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
+            "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats")}
+
+
+def generate_table(out: str) -> dict:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(f"{out}/conversations.parquet", columns=["input_ids", "num_response_tokens"]).to_pydict()
+
+
+def write_ingest(cfg, args, mode: str, out_len: int) -> None:
+    """ingest/{version}/conversations.parquet for the stage (what the ingest stage writes for these prompts)."""
+    import hashlib
+
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    from eagle3_ray import stage, storage
+
+    convs, ids = prompt_ids(args)
+    if mode == "capture_only":  # the plain run's responses become the conversations' answers
+        tok = AutoTokenizer.from_pretrained(args.model)
+        seqs = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
+        convs = [c + [{"role": "assistant", "content": tok.decode(s[len(p):], skip_special_tokens=True)}]
+                 for c, p, s in zip(convs, ids, seqs)]
+    rows = [{"id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16], "messages": c, "source": f"bench:{i}",
+             "num_turns": 1, "num_prompt_tokens": len(p)} for i, (c, p) in enumerate(zip(convs, ids))]
+    out = stage.output_dir(cfg, "ingest")
+    storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), pa.Table.from_pylist(rows))
+    storage.write_json_atomic(storage.join(out, "summary.json"), {"rows_ok": len(rows)})
+    storage.mark_complete(out, {"rows_ok": len(rows)})
+    storage.set_latest(cfg.run.run_dir, "ingest", out.rstrip("/").rsplit("/", 1)[1])
+
+
+def run_child(args, mode: str, out_len: int) -> dict:
+    """One measurement in a fresh process; its last `RESULT {json}` line is the answer."""
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}:{out_len}"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        sys.stdout.write(proc.stdout[-5000:])
+        return {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
+    print("RESULT " + json.dumps(results[-1]), flush=True)
+    return results[-1]
+
+
+def ratios(results: list[dict], out_len: int) -> dict:
+    by = {r["mode"]: r for r in results if r["out_len"] == out_len and "error" not in r}
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
+        return by[a][key] / by[b][key] if a in by and b in by else None
+
+    return {"capture_vs_plain": ratio("capture", "plain"),
+            "stage_generate_vs_capture (>= 0.9)": ratio("stage_generate", "capture"),
+            "stage_generate_vs_plain": ratio("stage_generate", "plain"),
+            "stage_two_pass_vs_stage_generate (>= 1.25 at 2048)": ratio("stage_two_pass", "stage_generate"),
+            "stage_two_pass_vs_stage_generate_total_wall": (by["stage_generate"]["total_wall_s"] /
+                                                            by["stage_two_pass"]["total_wall_s"])
+            if "stage_two_pass" in by and "stage_generate" in by else None,
+            "stage_capture_only_vs_prefill (>= 0.9)": ratio("stage_capture_only", "prefill")}
+
+
+def table(results: list[dict], out_lens: list[int]) -> str:
+    lines = [f"{'mode':<20}{'out':>6}{'tok/s':>10}{'out tok/s':>11}{'wall_s':>9}{'start_s':>16}{'MB written':>12}"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['mode']:<20}{r['out_len']:>6}  failed: {r['error']}")
+            continue
+        start = r["engine_start_s"]
+        start = "+".join(f"{s:.0f}" for s in start) if isinstance(start, list) else f"{start:.1f}"
+        lines.append(f"{r['mode']:<20}{r['out_len']:>6}{r['tokens_per_s']:>10.0f}{r['output_tokens_per_s']:>11.0f}"
+                     f"{r['wall_s']:>9.2f}{start:>16}{r['bytes_written'] / 1e6:>12.1f}")
+    for n in out_lens:
+        lines.append(f"ratios at {n}: " + json.dumps({k: round(v, 3) for k, v in ratios(results, n).items() if v}))
+    return "\n".join(lines)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="verifier directory (bench/gpu/make_verifier.py)")
+    p.add_argument("--tiny", action="store_true", help="CPU rehearsal: build the tiny verifier, few prompts")
+    p.add_argument("--out-lens", default=None, help="comma-separated output lengths (default 256,2048; tiny 32,128)")
+    p.add_argument("--num-prompts", type=int, default=None, help="default 200 (tiny: 24)")
+    p.add_argument("--modes", default="plain,capture,prefill,stage_generate,stage_two_pass,stage_capture_only")
+    p.add_argument("--aux-layer-ids", type=json.loads, default=None)
+    p.add_argument("--engine-kwargs", type=json.loads, default=None, help="JSON for vllm.LLM, on top of the defaults")
+    p.add_argument("--units-in-flight", type=int, default=64)
+    p.add_argument("--capture-buffer-bytes", type=int, default=None, help="default 48 GiB on GPU, 2 GiB on CPU")
+    p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--num-cpus", type=int, default=8)
+    p.add_argument("--work", default="/tmp/generate_bench")
+    p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.tiny and not args.model:
+        from eagle3_ray.tiny_verifier import build_tiny_verifier
+
+        args.model = str(build_tiny_verifier("llama", f"{args.work}/tiny-llama"))
+    if not args.model:
+        p.error("a verifier directory, or --tiny")
+    args.out_lens = [int(x) for x in (args.out_lens or ("32,128" if args.tiny else "256,2048")).split(",")]
+    args.num_prompts = args.num_prompts or (24 if args.tiny else 200)
+    args.aux_layer_ids = args.aux_layer_ids or ([1, 3, 4] if args.tiny else None)
+    args.dtype = "bfloat16"
+    args.max_model_len = max(args.out_lens) + 512
+    args.engine_kwargs = {**(CPU_ENGINE if args.tiny else GPU_ENGINE), **(args.engine_kwargs or {})}
+    args.capture_buffer_bytes = args.capture_buffer_bytes or ((2 << 30) if args.tiny else (48 << 30))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    if args.child:
+        mode, out_len = args.child.split(":")
+        fn = stage_child if mode.startswith("stage_") else engine_child
+        result = fn(args, mode.removeprefix("stage_"), int(out_len))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    modes = args.modes.split(",")
+    results = [run_child(args, m, n) for n in args.out_lens for m in modes]
+    report = table(results, args.out_lens)
+    print(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({
+            "results": results, "ratios": {n: ratios(results, n) for n in args.out_lens}, "table": report,
+            "args": {k: v for k, v in vars(args).items() if k != "child"}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
