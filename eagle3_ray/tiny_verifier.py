@@ -27,13 +27,15 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>", "<think>",
+                  "</think>"]
 BOS_ID, EOT_ID, PAD_ID, IM_START_ID, IM_END_ID = 0, 1, 2, 3, 4
 
 # ChatML; `enable_thinking=false` closes an empty think block the way Qwen3's template does, so the reasoning switch
 # of the generate stage has something real to act on.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
