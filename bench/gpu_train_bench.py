@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -129,49 +130,52 @@ def write_vocabs(work: str, gen_dir: str, spec_dir: str, draft_vocab: int, verif
     return vocab_dir
 
 
-def timed_loop(loader, step_fn, num_steps: int, warmup: int) -> dict:
-    """Runs step_fn(batch) -> num_tokens over epochs until warmup + num_steps; times the last num_steps."""
+def timed_loop(loader, step_fn, num_steps: int, warmup: int, device: torch.device) -> dict:
+    """Runs step_fn(batch) over epochs until warmup + num_steps; times the last num_steps (the device synchronized
+    at both ends; steps themselves never wait for it, as in the worker loop)."""
+    from eagle3_ray.train_worker import batch_tokens
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     waits, tokens, epoch, done = 0.0, 0.0, 0, 0
     t_start = None
     while done < warmup + num_steps:
-        if hasattr(loader.batch_sampler, "set_epoch"):
-            loader.batch_sampler.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
         t_fetch = time.perf_counter()
         for batch in loader:
             wait_s = time.perf_counter() - t_fetch
             if done == warmup:
+                sync()
                 t_start, waits, tokens = time.perf_counter(), 0.0, 0.0
             else:
                 waits += wait_s
-            tokens += step_fn(batch)  # step_fn syncs (reads the token count)
+            step_fn(batch)
+            tokens += batch_tokens(batch)
             done += 1
             if done == warmup + num_steps:
                 break
             t_fetch = time.perf_counter()
         epoch += 1
+    sync()
     elapsed_s = time.perf_counter() - t_start
     return {"steps": num_steps, "tokens_per_s": tokens / elapsed_s, "step_ms": 1000 * elapsed_s / num_steps,
             "data_wait_frac": waits / elapsed_s, "tokens_per_step": tokens / num_steps}
 
 
-def make_step(model, optimizer, kwargs: dict, device: torch.device, autocast: bool, max_grad_norm: float = 0.5):
-    """The body of train_worker.Loop.train_epoch's step (forward, backward, clip, AdamW), minus logging/Ray."""
-    def step(batch) -> float:
-        tensors = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            _draft, loss, _metrics = model(**tensors, **kwargs)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        return float((tensors["document_ids"] != -1).sum())
-    return step
+def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) -> dict:
+    """Tokens/s if the step ran at the GPU's peak: 6 FLOPs per trainable parameter per token (forward + backward)
+    for each TTT step, plus causal attention (4 * T * H per layer per token, halved by the mask, times 3)."""
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    hidden = model.config.transformer_layer_config.hidden_size
+    per_token = ttt_steps * (6 * params + 3 * 2 * total_seq_len * hidden)
+    return {"flops_per_token": per_token, "tokens_per_s": peak_flops / per_token, "peak_flops": peak_flops}
 
 
 def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, use_gpu: bool,
-              num_steps: int, warmup: int, attn_impl: str = "auto", num_loader_workers: int = 1) -> dict:
-    """Our worker's model build (train_worker.build_model), loss kwargs and loaders, one process, no Ray Train."""
-    from eagle3_ray import train_worker
+              num_steps: int, warmup: int, attn_impl: str = "auto", num_loader_workers: int | None = None,
+              peak_flops: float = 0.0) -> dict:
+    """The train worker's own pieces, one process, no Ray Train: train_worker.build_model, make_optimizer,
+    make_loaders over the samples the driver would hand it (data.load_refs) and TrainStep, the worker's step."""
+    from eagle3_ray import data, train_worker
     from eagle3_ray.config import Config
 
     cfg = Config()
@@ -184,11 +188,18 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     device = torch.device("cuda" if use_gpu else "cpu")
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tc.lr)
-    lc = {"gen_dir": gen_dir, "capture": capture, "skip_ids": [], "val_ids": []}
-    train_loader, _ = train_worker.make_loaders(cfg, lc, rank=0, world=1)
-    step = make_step(model, optimizer, train_worker.loss_kwargs(cfg), device, autocast=use_gpu)
-    return timed_loop(train_loader, step, num_steps, warmup)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = train_worker.make_optimizer(params, tc.lr, device)
+    refs, _manifest = data.load_refs(gen_dir)
+    args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
+    train_loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
+    step = train_worker.TrainStep(model, params, optimizer, None, train_worker.loss_kwargs(cfg), device,
+                                  autocast=use_gpu, max_grad_norm=tc.max_grad_norm)
+    result = timed_loop(train_loader, step, num_steps, warmup, device)
+    result["loader_workers"] = train_loader.num_workers
+    if peak_flops:
+        result["compute_floor"] = compute_floor(model, total_seq_len, tc.ttt_steps, peak_flops)
+    return result
 
 
 PROFILE_RE = re.compile(r"""['"]?(step_ms|fetch_ms|tokens_per_s)['"]?\s*[:=]\s*([0-9.eE+-]+)""")
@@ -202,7 +213,9 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
            "--d2t-path", os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"),
            "--t2d-path", os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"), "--mask-token-id", "0",
            "--total-seq-len", str(total_seq_len), "--num-layers", "1", "--ttt-steps", "3",
-           "--loss-implementation", "eager", "--epochs", "100", "--max-steps", str(warmup + num_steps),
+           # --max-steps ends only the current epoch in speculators 0.9.0: one epoch, or it runs (and checkpoints)
+           # one-step epochs until the disk is full
+           "--loss-implementation", "eager", "--epochs", "1", "--max-steps", str(warmup + num_steps),
            "--log-freq", "1", "--num-workers", str(num_loader_workers),
            "--save-path", os.path.join(work, f"spec_ckpt_{total_seq_len}")]
     t0 = time.perf_counter()
@@ -218,7 +231,8 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
     for line in log_text.splitlines():
         for k, v in PROFILE_RE.findall(line):
             steps[k].append(float(v))
-    timed = {k: v[warmup:] for k, v in steps.items()}
+    shutil.rmtree(os.path.join(work, f"spec_ckpt_{total_seq_len}"), ignore_errors=True)  # ~2.3 GB per epoch
+    timed = {k: v[warmup:warmup + num_steps] for k, v in steps.items()}
     if not timed["step_ms"]:
         raise RuntimeError(f"no step profile in speculators' log ({work}/speculators_{total_seq_len}.log)")
     step_ms = sum(timed["step_ms"]) / len(timed["step_ms"])
@@ -228,13 +242,15 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'ratio':>6}")
+    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'ratio':>6} "
+          f"{'floor tok/s':>11}")
     for r in rows:
         if "error" in r:
             print(f"{r['total_seq_len']:>8} {r['impl']:<22} FAILED (see JSON / log)")
             continue
         print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
-              f"{r['data_wait_frac']:>9.2f} {r.get('ratio_vs_speculators', float('nan')):>6.2f}")
+              f"{r['data_wait_frac']:>9.2f} {r.get('ratio_vs_speculators', float('nan')):>6.2f} "
+              f"{r.get('compute_floor', {}).get('tokens_per_s', float('nan')):>11.0f}")
 
 
 def main() -> None:
@@ -246,7 +262,8 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--loader-workers", type=int, default=4, help="DataLoader workers, both sides")
+    p.add_argument("--loader-workers", type=int, default=8, help="DataLoader workers, both sides")
+    p.add_argument("--peak-tflops", type=float, default=788.0, help="dense bf16 peak of the GPU (H200: ~788)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
     args = p.parse_args()
     use_gpu = torch.cuda.is_available() and not args.tiny
@@ -265,7 +282,8 @@ def main() -> None:
     rows = []
     for seq_len in seq_lens:
         ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
-                         num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers)
+                         num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers,
+                         peak_flops=args.peak_tflops * 1e12)
         rows.append({"total_seq_len": seq_len, "impl": "ours (worker step)", **ours})
         if not use_gpu:
             print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)

@@ -228,8 +228,9 @@ class TrainConfig:
     """Worker-group restarts Ray Train allows before the run fails."""
     on_bad_sample: Literal["fail", "skip"] = "fail"
     """A missing/truncated/non-finite sample: fail the run naming the file, or skip and count it."""
-    num_loader_workers: int = field(default=1, metadata=NOT_IN_VERSION)
-    """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline)."""
+    num_loader_workers: int | None = field(default=None, metadata=NOT_IN_VERSION)
+    """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline).
+    None: 1 on CPU; on GPU the CPUs the worker's process may use, shared among the node's GPUs, less one (1..8)."""
     kill_worker_at: list[int] | None = field(default=None, metadata=NOT_IN_VERSION)
     """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
     itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
@@ -258,7 +259,8 @@ class TrainConfig:
         _check(0 < self.val_fraction < 1, "train.val_fraction", "must be in (0, 1)")
         _check(self.num_to_keep >= 1, "train.num_to_keep", "must be >= 1")
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
-        _check(self.num_loader_workers >= 0, "train.num_loader_workers", "must be >= 0")
+        _check(self.num_loader_workers is None or self.num_loader_workers >= 0, "train.num_loader_workers",
+               "must be >= 0 or null")
         _check(self.log_every_steps >= 1, "train.log_every_steps", "must be >= 1")
         _check(self.attn_impl in ("auto", "sdpa", "eager", "simple_flex_attention"), "train.attn_impl",
                f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}")

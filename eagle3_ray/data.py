@@ -24,8 +24,10 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -106,22 +108,31 @@ class ShardReader:
         return self._files[uri]
 
     def tensor(self, uri: str, name: str) -> torch.Tensor:
+        """The tensor `name` of a shard. From a local shard it is a read-only view of the memory-mapped file (no
+        copy: the collate function's write into the batch buffer is the first); from an object store, a copy."""
         f, header, payload, _size = self.open(uri)
         entry = header.get(name)
         if entry is None:
             raise BadSampleError(f"{uri}: key {name} is missing")
         start, end = entry["data_offsets"]
+        if end == start:
+            return torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
         data = f.read_at(end - start, payload + start)
         if len(data) != end - start:
             raise BadSampleError(f"{uri}: truncated at key {name} ({len(data)} of {end - start} bytes)")
-        flat = torch.frombuffer(bytearray(data), dtype=_DTYPES[entry["dtype"]]) if end > start else torch.empty(0)
+        if isinstance(f, pa.MemoryMappedFile):
+            with warnings.catch_warnings():  # read-only by design: nothing writes into a sample's tensors
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(memoryview(data), dtype=_DTYPES[entry["dtype"]])
+        else:
+            flat = torch.frombuffer(bytearray(data), dtype=_DTYPES[entry["dtype"]])
         return flat.reshape(entry["shape"])
 
 
 def _open_shard(uri: str) -> tuple[object, dict, int, int]:
     fs, path = storage.resolve(uri)
     try:
-        f = fs.open_input_file(path)
+        f = pa.memory_map(path) if storage.is_local(uri) else fs.open_input_file(path)
     except (FileNotFoundError, OSError) as e:
         raise BadSampleError(f"{uri}: shard file is missing ({type(e).__name__})") from e
     size = f.size()
@@ -159,7 +170,8 @@ def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> di
 
 
 class ShardDataset(Dataset):
-    """Samples read lazily from memory-mapped shards: only the samples of the current batch are in memory.
+    """Samples read lazily from shards (memory-mapped when local, by byte range when remote): only the samples of the
+    batches in flight are in memory.
 
     on_bad_sample="fail" raises BadSampleError; "skip" returns speculators' SampleUnavailable, which its CollateFn
     drops and counts in the batch's `error_records`."""
@@ -201,21 +213,24 @@ class ShardDataset(Dataset):
         if hs.shape[0] != ref.num_tokens or hs.shape[1] != self.num_aux + 1:
             raise BadSampleError(f"{where}: shape {list(hs.shape)} does not match manifest num_tokens="
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")
-        hs = shards.dequantize_fp8(hs, scale) if scale is not None else hs.float()
+        # straight to the training dtype: bf16 shards train in bf16 on GPU without a float32 round trip
+        hs = shards.dequantize_fp8(hs, scale, self.dtype) if scale is not None else hs.to(self.dtype)
         if not torch.isfinite(hs).all():
             raise BadSampleError(f"{where}: hidden states hold non-finite values")
-        return hs.to(self.dtype)
+        return hs
 
 
 def make_loader(dataset: ShardDataset, *, total_seq_len: int, hidden_size: int, world_size: int, rank: int,
-                seed: int, num_workers: int = 1) -> DataLoader:
+                seed: int, num_workers: int = 1, pin_memory: bool = False) -> DataLoader:
     """Packed batches [1, total_seq_len, ...] for this rank; call `loader.batch_sampler.set_epoch(e)` each epoch.
 
     speculators' sampler shuffles with seed + epoch and hands every rank the same number of batches, so DDP ranks
-    stay in step. A loader worker process reads and decodes the next batches while the model trains."""
+    stay in step. Loader worker processes read and decode the next batches (4 each ahead) while the model trains;
+    `pin_memory` (GPU) makes the host-to-device copy asynchronous, so it overlaps the step before."""
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
                                                  num_replicas=world_size, rank=rank, seed=seed)
     collate = CollateFn(total_seq_len, hidden_size, num_target_layers=dataset.num_aux, dtype=dataset.dtype,
                         preprocess=shift_batch)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None)
+                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
+                      pin_memory=pin_memory)

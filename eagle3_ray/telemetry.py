@@ -29,7 +29,10 @@ def _fmt(value: Any) -> str:
 def log(stage: str, event: str, **fields: Any) -> str:
     """Print one `key=value` line for `stage` and return it."""
     line = f"[eagle3 {stage}] {event}" + "".join(f" {k}={_fmt(v)}" for k, v in fields.items())
-    print(line, file=sys.stdout, flush=True)
+    # Written to the stream, not print(): Ray Train patches print in its workers to log through the root logger
+    # *and* tee to the (redirected) stdout, which showed every train-worker line twice in the job log.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     return line
 
 

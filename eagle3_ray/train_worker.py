@@ -24,6 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.cli import create_transformer_layer_config
+from speculators.train.utils import normalize_counted_metrics
 
 from eagle3_ray import acceptance, checkpoints, data, storage, vocab
 from eagle3_ray.config import Config, config_from_dict
@@ -74,10 +75,13 @@ def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int):
     num_aux, hidden = len(args.capture["aux_layer_ids"]), args.capture["hidden_size"]
     dtype = torch.bfloat16 if cfg.train.use_gpu else torch.float32
     loaders = []
-    for part, workers in ((args.train_refs, cfg.train.num_loader_workers), (args.val_refs, 0)):
+    num_workers = cfg.train.num_loader_workers
+    num_workers = default_loader_workers(cfg.train.use_gpu) if num_workers is None else num_workers
+    for part, workers in ((args.train_refs, num_workers), (args.val_refs, 0)):
         ds = data.ShardDataset(part, num_aux, dtype=dtype, on_bad_sample=cfg.train.on_bad_sample)
         loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
-                                        world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers))
+                                        world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers,
+                                        pin_memory=cfg.train.use_gpu))
     return loaders[0], loaders[1]
 
 
@@ -89,33 +93,36 @@ def collective_device() -> torch.device:
 
 
 class MetricSums:
-    """speculators' `{name}_sum` / `{name}_total` metrics summed over steps (and ranks), normalized on read."""
+    """speculators' `{name}_sum` / `{name}_total` metrics summed over steps (and ranks), normalized on read. Step
+    tensors are summed where they are (the GPU): nothing waits for the device until `reduce()`."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor | float] = {}
 
     def add(self, step_metrics: dict[str, torch.Tensor], **extra: float) -> None:
-        for k, v in step_metrics.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v)
-        for k, v in extra.items():
+        for k, v in {**step_metrics, **extra}.items():
             self.sums[k] = self.sums.get(k, 0.0) + v
 
     def reduce(self) -> dict[str, float]:
-        """Sum across ranks (every rank must call this at the same point)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            keys = sorted(self.sums)
-            t = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64, device=collective_device())
+        """Sum across ranks (every rank must call this at the same point); one device sync."""
+        keys = sorted(self.sums)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        device = collective_device() if distributed else torch.device("cpu")
+        t = torch.stack([torch.as_tensor(self.sums[k]).double().reshape(()).to(device) for k in keys]) \
+            if keys else torch.zeros(0, dtype=torch.float64)
+        if distributed:
             dist.all_reduce(t)
-            return dict(zip(keys, t.tolist(), strict=True))
-        return dict(self.sums)
+        return dict(zip(keys, t.tolist(), strict=True))
 
 
 def summarize(sums: dict[str, float], ttt_steps: int, prefix: str) -> dict[str, float]:
-    """Normalized loss and per-position accuracies; `prefix` is `train_` or `val_`."""
-    out = {f"{prefix}loss": sums["loss_sum"] / max(sums["loss_total"], 1.0)}
+    """Normalized loss and per-position accuracies (speculators' normalize_counted_metrics); `prefix` is `train_`
+    or `val_`."""
+    counted = normalize_counted_metrics({k: v for k, v in sums.items() if k.endswith(("_sum", "_total"))})
+    out = {f"{prefix}loss": counted["loss"]}
     for k in range(ttt_steps):
-        out[f"{prefix}acc_{k}"] = sums[f"full_acc_{k}_sum"] / max(sums[f"full_acc_{k}_total"], 1.0)
-        out[f"{prefix}cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / max(sums[f"cond_acc_{k}_total"], 1.0)
+        out[f"{prefix}acc_{k}"] = counted[f"full_acc_{k}"]
+        out[f"{prefix}cond_acc_{k}"] = counted[f"cond_acc_{k}"]
     out[f"{prefix}acceptance_length"] = 1.0 + sum(out[f"{prefix}acc_{k}"] for k in range(ttt_steps))
     return out
 
@@ -123,6 +130,51 @@ def summarize(sums: dict[str, float], ttt_steps: int, prefix: str) -> dict[str, 
 def metric_tensors(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     keep = ("loss_sum", "loss_total", "full_acc_", "cond_acc_")
     return {k: v.detach() for k, v in metric_dict.items() if k.startswith(keep)}
+
+
+def make_optimizer(params: list[torch.nn.Parameter], lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, fused into one kernel per step on CUDA (foreach on CPU)."""
+    if device.type == "cuda":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    return torch.optim.AdamW(params, lr=lr, foreach=True)
+
+
+class TrainStep:
+    """Forward, backward, clip, optimizer and scheduler step on one packed batch: the worker loop's step, and the
+    step bench/gpu_train_bench.py times. Returns the step's metric tensors left on the device: nothing in a step
+    waits for the GPU, so the next batch's host-to-device copy and the loader overlap it."""
+
+    def __init__(self, model, params: list[torch.nn.Parameter], optimizer, scheduler, loss_kwargs: dict,
+                 device: torch.device, *, autocast: bool, max_grad_norm: float):
+        self.model, self.params, self.optimizer, self.scheduler = model, params, optimizer, scheduler
+        self.loss_kwargs, self.device, self.max_grad_norm = loss_kwargs, device, max_grad_norm
+        self.autocast = autocast
+
+    def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
+        tensors = to_device(batch, self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            _draft, loss, step_metrics = self.model(**tensors, **self.loss_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return metric_tensors(step_metrics)
+
+
+def batch_tokens(batch: dict) -> float:
+    """Real (non-padding) tokens of a packed batch, counted on the host copy."""
+    return float((batch["document_ids"] != -1).sum())
+
+
+def default_loader_workers(use_gpu: bool) -> int:
+    """Loader processes per train worker when train.num_loader_workers is unset: on GPU the CPUs this process may
+    use, shared among the node's GPUs, less one for the training loop (1..8); on CPU one."""
+    if not use_gpu:
+        return 1
+    per_gpu = len(os.sched_getaffinity(0)) // max(1, torch.cuda.device_count())
+    return max(1, min(8, per_gpu - 1))
 
 
 def to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
@@ -194,7 +246,8 @@ class Loop:
         tc = self.cfg.train
         self.raw = build_model(self.cfg, args.capture, storage.join(self.out_dir, "vocab"), self.device)
         self.model = ray.train.torch.prepare_model(self.raw)
-        self.optimizer = torch.optim.AdamW([p for p in self.raw.parameters() if p.requires_grad], lr=tc.lr)
+        params = [p for p in self.raw.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(params, tc.lr, self.device)
         steps_per_epoch = args.steps_per_epoch
         if steps_per_epoch is None:
             self.train_loader, self.val_loader = make_loaders(self.cfg, args, self.rank, self.world)
@@ -204,6 +257,8 @@ class Loop:
                                                          tc.epochs * self.steps_per_epoch)
         self.kwargs = loss_kwargs(self.cfg)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.use_gpu)
+        self.train_step = TrainStep(self.model, params, self.optimizer, self.scheduler, self.kwargs, self.device,
+                                    autocast=tc.use_gpu, max_grad_norm=tc.max_grad_norm)
         self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
         self.start_epoch, self.step, self.best = 0, 0, None
 
@@ -238,19 +293,11 @@ class Loop:
         for i, batch in enumerate(self.train_loader):
             wait_s = time.perf_counter() - t_fetch
             _maybe_kill(self.cfg, self.out_dir, epoch, i, self.rank, self.world)
-            tensors = to_device(batch, self.device)
-            with self.autocast:
-                _draft, loss, step_metrics = self.model(**tensors, **self.kwargs)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.train.max_grad_norm)
             lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
-            self.scheduler.step()
+            step_metrics = self.train_step(batch)
             self.step += 1
-            num_tokens = float((tensors["document_ids"] != -1).sum())
             for sums in (window, epoch_sums):
-                sums.add(metric_tensors(step_metrics), tokens=num_tokens, wait_s=wait_s,
+                sums.add(step_metrics, tokens=batch_tokens(batch), wait_s=wait_s,
                          bad_samples=float(batch["error_records"]))
             if self.step % self.cfg.train.log_every_steps == 0:
                 self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)

@@ -34,6 +34,17 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
+# Tests that use one of these (directly or through another fixture) start Ray or a vLLM engine: the `e2e` tier.
+# The rest (`pytest -m "not e2e"`) is the fast unit tier.
+E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(scope="session")
 def _isolated_env() -> dict[str, str]:
     """The environment set for this session (Ray token auth on, Ray/vLLM/HF files inside pytest's temp dir)."""

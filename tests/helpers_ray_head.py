@@ -214,13 +214,13 @@ class FinishedJob:
     elapsed_s: float
 
 
-def run_job(head: RayHead, submission_id: str, entrypoint: list[str], run_dir: Path, *,
-            timeout_s: float = 900) -> FinishedJob:
+def run_job(head: RayHead, submission_id: str, entrypoint: list[str], run_dir: Path | None, *,
+            timeout_s: float = 900, env_vars: dict[str, str] | None = None) -> FinishedJob:
     """Submit, poll GET /api/jobs/{id} until SUCCEEDED, scraping the head's metrics endpoint at every poll
     (metrics of short-lived workers vanish once they exit, so a scrape after the job could miss them)."""
     start = time.monotonic()
     scraped: list[tuple[str, dict[str, str], float]] = []
-    head.submit(submission_id, *entrypoint)
+    head.submit(submission_id, *entrypoint, env_vars=env_vars)
     info = head.wait(submission_id, {"SUCCEEDED"}, timeout_s=timeout_s, every_s=2.0,
                      on_poll=lambda _: scraped.extend(metric_samples(head.metrics_text())))
     return FinishedJob(info=info, logs=head.logs(submission_id), run_dir=run_dir, metrics=scraped,
@@ -235,18 +235,20 @@ LEAN = ["ingest.max_rows=12", "generate.max_tokens=24", "generate.max_batch_toke
         "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}"]
 
 
-def pipeline_entrypoint(storage_path: Path, name: str, *extra: str) -> list[str]:
+def pipeline_entrypoint(storage_path: Path | str, name: str, *extra: str) -> list[str]:
     # The venv's interpreter, not `python`: the entrypoint shell's PATH is the head's, not ours.
     return [sys.executable, "ray_jobs/pipeline.py", RECIPE, f"run.storage_path={storage_path}", f"run.name={name}",
             *LEAN, *extra]
 
 
 def latest_path(run_dir: Path, stage: str) -> Path:
-    return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"])
+    return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"].removeprefix("file://"))
 
 
 @pytest.fixture(scope="session")
 def pipeline_job(ray_head) -> FinishedJob:
-    """The whole tiny pipeline, submitted once per session (the metrics tests read the same run)."""
+    """The whole tiny pipeline, submitted once per session (the metrics tests read the same run), with its run dir
+    given as a file:// URI, which every stage reads and writes through pyarrow's filesystems."""
     storage_path = ray_head.temp_dir / "runs"
-    return run_job(ray_head, "eagle3-full", pipeline_entrypoint(storage_path, "full"), storage_path / "full")
+    return run_job(ray_head, "eagle3-full", pipeline_entrypoint(f"file://{storage_path}", "full"),
+                   storage_path / "full")

@@ -11,7 +11,9 @@ import pytest
 pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
 from helpers_ray_head import latest_path, pipeline_entrypoint, run_job
 
-pytest_plugins = ["helpers_ray_head"]
+from eagle3_ray import storage
+
+pytest_plugins = ["helpers_ray_head", "helpers_s3"]
 pytestmark = pytest.mark.slow
 
 
@@ -65,3 +67,26 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     assert len(manifest_ids) == len(set(manifest_ids)) == len(conversation_ids) == len(set(conversation_ids))
     rejected = pq.read_table(generated / "rejects.parquet", columns=["id"]).column(0).to_pylist()
     assert set(conversation_ids) | set(rejected) == set(ingested.column(0).to_pylist())
+
+
+def test_pipeline_on_an_s3_run_dir_writes_every_stage_to_the_object_store(ray_head, s3_server, monkeypatch):
+    """The whole pipeline with run.storage_path=s3://... on a real S3-compatible server: shards, Ray Train's
+    checkpoints, best/, metrics and the drafter all land in the bucket; nothing needs a shared local disk."""
+    root = f"s3://{s3_server.bucket}/runs"
+    job = run_job(ray_head, "eagle3-s3", pipeline_entrypoint(root, "s3run"), None, env_vars=s3_server.env)
+    assert "[eagle3 pipeline] done" in job.logs and job.info["driver_exit_code"] == 0
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    run_dir = f"{root}/s3run"
+    latest = {name: storage.latest(run_dir, name) for name in ("ingest", "generate", "train", "export", "evaluate")}
+    assert all(record["path"].startswith("s3://") for record in latest.values())
+    generated = latest["generate"]["path"]
+    assert storage.list_files(storage.join(generated, "shards"), ".safetensors")
+    trained = latest["train"]
+    assert trained["last"]["path"].startswith(trained["path"]) and storage.exists(
+        storage.join(trained["best"]["path"], "train_state.json"))
+    metrics = storage.read_bytes(storage.join(trained["path"], "metrics.jsonl")).decode()
+    assert '"kind": "validation"' in metrics and storage.list_files(storage.join(trained["path"], "tensorboard"))
+    drafter = latest["export"]["speculators_dir"]
+    assert storage.exists(storage.join(drafter, "model.safetensors"))
+    assert storage.exists(storage.join(latest["evaluate"]["path"], "results.json"))
