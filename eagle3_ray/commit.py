@@ -133,8 +133,8 @@ class ShardSink:
     def write_shards(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> dict[str, int]:
         """Group the unit's samples by bytes, check each, write each shard atomically; fill the manifest columns."""
         ok = [r for r in records if r["id"] in encoded]
-        groups = shards.ShardPlan(self.cfg.generate.shard_max_bytes).split(
-            [shards.tensor_bytes(encoded[r["id"]]) for r in ok])
+        groups = shards.greedy_groups([shards.tensor_bytes(encoded[r["id"]]) for r in ok],
+                                      self.cfg.generate.shard_max_bytes)
         shard_bytes: dict[str, int] = {}
         for j, group in enumerate(groups):
             name = f"{unit_id}-{j:04d}.safetensors"

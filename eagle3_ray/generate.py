@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle3_ray import stage, storage, telemetry
+from eagle3_ray import shards, stage, storage, telemetry
 from eagle3_ray.config import Config, versioned
 from eagle3_ray.generate_output import capture_contract, clean_orphans, committed_ids, finalise
 from eagle3_ray.raycluster import ensure_ray
@@ -54,26 +54,23 @@ def sample_cost(row: dict[str, Any], cfg: Config, encoder: Any) -> int:
 def plan_units(rows: list[dict[str, Any]], costs: list[int], cfg: Config) -> tuple[list[Unit], list[dict]]:
     """Greedy packing in input order up to generate.max_batch_tokens; an oversized sample goes alone or is rejected."""
     budget = cfg.generate.max_batch_tokens
-    units, rejects, current, used = [], [], [], 0
-
-    def close() -> None:
-        ids = "\n".join(sorted(s["id"] for s in current))
-        units.append(Unit(hashlib.sha256(ids.encode()).hexdigest()[:16], list(current), used))
-
+    packer, groups, rejects = shards.GreedyPacker(budget), [], []
     for row, cost in zip(rows, costs):
-        sample = {"id": row["id"], "messages": row["messages"], "source": row["source"]}
         if cost > budget and cfg.generate.oversize == "reject":
             rejects.append({"id": row["id"], "reason": "over_batch_budget",
                             "detail": f"{cost} tokens > generate.max_batch_tokens {budget}"})
             continue
-        if current and used + cost > budget:
-            close()
-            current, used = [], 0
-        current.append(sample)
-        used += cost
-    if current:
-        close()
-    return units, rejects
+        sample = {"id": row["id"], "messages": row["messages"], "source": row["source"]}
+        if (group := packer.add((sample, cost), cost)) is not None:
+            groups.append(group)
+    groups += [last] if (last := packer.flush()) else []
+    return [_unit([s for s, _ in group], sum(c for _, c in group)) for group in groups], rejects
+
+
+def _unit(samples: list[dict[str, Any]], num_tokens: int) -> Unit:
+    """A unit's id hashes its sample ids: the same samples make the same unit in a resumed run."""
+    ids = "\n".join(sorted(s["id"] for s in samples))
+    return Unit(hashlib.sha256(ids.encode()).hexdigest()[:16], samples, num_tokens)
 
 
 def placement_args(cfg: Config, created: list) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
 from speculators.train.recovery import SampleUnavailable
 
-from eagle3_ray import data, shards, storage
+from eagle3_ray import acceptance, data, shards, storage
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
 from eagle3_ray.train_worker import Loop, MetricSums, WorkerArgs, collective_device, make_loaders, metric_tensors, summarize, to_device
@@ -55,27 +55,23 @@ def _rows(stream):
 
 
 class Packer:
-    """Greedy packing in arrival order: a batch closes when the next sample would pass `total_seq_len` (a longer
-    sample goes alone and CollateFn truncates it, as offline)."""
+    """Stream samples packed greedily in arrival order up to `total_seq_len` (shards.GreedyPacker; a longer sample
+    goes alone and CollateFn truncates it, as offline), each closed group collated into a batch."""
 
     def __init__(self, collate: CollateFn, total_seq_len: int):
-        self.collate, self.total_seq_len = collate, total_seq_len
-        self.samples: list = []
-        self.num_tokens = 0
+        self.collate, self.packer = collate, shards.GreedyPacker(total_seq_len)
+
+    @property
+    def samples(self) -> list:
+        return self.packer.items
 
     def add(self, sample) -> dict | None:
         seq_len = 0 if isinstance(sample, SampleUnavailable) else int(sample["lengths"][0])
-        done = None
-        if self.samples and self.num_tokens + seq_len > self.total_seq_len:
-            done = self.flush()
-        self.samples.append(sample)
-        self.num_tokens += seq_len
-        return done
+        group = self.packer.add(sample, seq_len)
+        return None if group is None else self.collate(group)
 
     def flush(self) -> dict:
-        batch = self.collate(self.samples)
-        self.samples, self.num_tokens = [], 0
-        return batch
+        return self.collate(self.packer.flush())
 
 
 class StreamBatches:
@@ -128,11 +124,14 @@ class StreamBatches:
     @torch.no_grad()
     def _validate(self, batch: dict) -> None:
         """The unwrapped model: ranks validate different numbers of packs, so no DDP collective may run here."""
-        raw = self.loop.raw
+        raw, cfg = self.loop.raw, self.loop.cfg
         raw.eval()
+        tensors = to_device(batch, self.loop.device)
+        ks = acceptance.replay_lengths(cfg.evaluate.num_speculative_tokens, cfg.train.ttt_steps)
         with self.loop.autocast:
-            _draft, _loss, step_metrics = raw(**to_device(batch, self.loop.device), **self.loop.kwargs)
-        self.val_sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]))
+            draft, _loss, step_metrics = raw(**tensors, **self.loop.kwargs)
+            replay = acceptance.batch_replay_counts(raw, draft, tensors, ks)
+        self.val_sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay)
         raw.train()
 
 
@@ -162,7 +161,9 @@ class OnlineLoop(Loop):
         self.train_loader = StreamBatches(self)
         train_sums = self.train_epoch(epoch)
         val = self.train_loader.val_sums.reduce()
-        return train_sums, {**summarize(val, self.cfg.train.ttt_steps, "val_"), "val_bad_samples": val["bad_samples"]}
+        ks = acceptance.replay_lengths(self.cfg.evaluate.num_speculative_tokens, self.cfg.train.ttt_steps)
+        return train_sums, {**summarize(val, self.cfg.train.ttt_steps, "val_"), **acceptance.summarize(val, ks),
+                            "val_bad_samples": val["bad_samples"]}
 
     def _cache_loaders(self, cache_dir: str):
         """Offline loaders over the first epoch's cache; rank 0 writes its manifest and conversations first."""

@@ -12,7 +12,6 @@ and moved into place (storage.write_bytes_atomic), so a shard's final name only 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
@@ -64,26 +63,41 @@ def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-@dataclass(slots=True)
-class ShardPlan:
-    """Which samples go to which shard, so that no shard's payload exceeds `max_bytes` (one oversized sample
-    still gets a shard of its own)."""
+class GreedyPacker:
+    """Greedy packing in arrival order: items go into the open group until the next would pass `budget`; an item
+    larger than the budget gets a group of its own. The one packer of the project: generate's work units (tokens),
+    shards (bytes) and the online stream's training batches (tokens).
 
-    max_bytes: int
+        packer = GreedyPacker(budget)
+        for item, size in items:
+            if (group := packer.add(item, size)) is not None: use(group)
+        use(packer.flush())   # the last, possibly partial group ([] when nothing is left)
+    """
 
-    def split(self, sizes: list[int]) -> list[list[int]]:
-        groups: list[list[int]] = []
-        current: list[int] = []
-        used = 0
-        for i, size in enumerate(sizes):
-            if current and used + size > self.max_bytes:
-                groups.append(current)
-                current, used = [], 0
-            current.append(i)
-            used += size
-        if current:
-            groups.append(current)
-        return groups
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.items: list = []
+        self.used = 0
+
+    def add(self, item, size: int) -> list | None:
+        """Adds `item`; returns the group it closed (the items before it), or None."""
+        closed = self.flush() if self.items and self.used + size > self.budget else None
+        self.items.append(item)
+        self.used += size
+        return closed
+
+    def flush(self) -> list:
+        group, self.items, self.used = self.items, [], 0
+        return group
+
+
+def greedy_groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """Indices of `sizes` grouped by GreedyPacker."""
+    packer, groups = GreedyPacker(budget), []
+    for i, size in enumerate(sizes):
+        if (group := packer.add(i, size)) is not None:
+            groups.append(group)
+    return groups + ([last] if (last := packer.flush()) else [])
 
 
 def write_shard(uri: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:

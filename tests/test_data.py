@@ -126,3 +126,10 @@ def test_validation_split_is_stable_by_id():
     held = [i for i in ids if data.is_validation(i, 0.1)]
     assert 150 < len(held) < 250
     assert held == [i for i in reversed(ids) if data.is_validation(i, 0.1)][::-1]
+
+
+def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_item_its_own_group():
+    from eagle3_ray.shards import greedy_groups
+
+    assert greedy_groups([3, 4, 2, 9, 1, 5], budget=7) == [[0, 1], [2], [3], [4, 5]]
+    assert greedy_groups([7, 7], budget=7) == [[0], [1]] and greedy_groups([], budget=7) == []
