@@ -42,8 +42,6 @@ CHAT_TEMPLATE = (
 
 Arch = Literal["llama", "qwen3", "deepseek_v3", "kimi"]
 ARCHS = ("llama", "qwen3", "deepseek_v3", "kimi")
-# vLLM's engine arguments a text-only run of the `kimi` wrapper needs: no vision tower (its weights are not saved).
-KIMI_TEXT_ONLY_ENGINE_KWARGS = {"limit_mm_per_prompt": {"vision_chunk": 0}}
 
 
 def _training_files(limit: int = 168) -> list[str]:
@@ -99,7 +97,11 @@ def _deepseek_v3_config(common: dict):
 
 def _kimi_wrapper_config(text: dict) -> dict:
     """Kimi-K2.5's config.json layout around a saved DeepSeek-V3 text config: a small vision config beside it
-    (never built: see KIMI_TEXT_ONLY_ENGINE_KWARGS), media token ids pointed at the pad id (no prompt holds it)."""
+    (never built: vLLM runs it with `limit_mm_per_prompt: {vision_chunk: 0}`), media token ids pointed at the pad
+    id (no prompt holds it).
+    `media_placeholder_token_id` is the hub config's name for the image token, which vLLM 0.32's EAGLE proposer reads
+    from a Kimi-K2.5 verifier (transformers' Kimi_K25Config calls it image_token_id): without it the engine with a
+    drafter fails to load."""
     text = {k: v for k, v in text.items() if k not in ("architectures", "transformers_version")}
     vision = {"model_type": "kimi_k25_vision", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "intermediate_size": 128, "patch_size": 14, "pos_emb_height": 8, "pos_emb_width": 8,
@@ -107,7 +109,7 @@ def _kimi_wrapper_config(text: dict) -> dict:
     return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "dtype": text["dtype"],
             "text_config": text, "vision_config": vision, "projection_hidden_size": 64, "tie_word_embeddings": False,
             "image_token_id": PAD_ID, "video_token_id": PAD_ID, "vision_start_token_id": PAD_ID,
-            "vision_end_token_id": PAD_ID}
+            "vision_end_token_id": PAD_ID, "media_placeholder_token_id": PAD_ID}
 
 
 # What vLLM's Kimi-K2.5 processor reads at engine start even when images are off (`media_proc_cfg`).

@@ -146,6 +146,7 @@ def test_kimi_verifier_nests_the_same_text_model_in_kimi_k25s_wrapper(tiny_mla):
     config = AutoConfig.from_pretrained(tiny_mla["kimi"])
     assert config.model_type == "kimi_k25" and config.architectures == ["KimiK25ForConditionalGeneration"]
     assert config.text_config.model_type == "deepseek_v3" and config.text_config.num_hidden_layers == 6
+    assert config.media_placeholder_token_id == config.image_token_id  # vLLM's EAGLE proposer reads the first
     bare, wrapped = (load_file(f"{tiny_mla[a]}/model.safetensors") for a in ("deepseek_v3", "kimi"))
     assert set(wrapped) == {f"language_model.{k}" for k in bare}
     assert all(wrapped[f"language_model.{k}"].equal(v) for k, v in bare.items())
