@@ -34,14 +34,15 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Tests that use one of these (directly or through another fixture) start Ray or a vLLM engine: the `e2e` tier.
-# The rest (`pytest -m "not e2e"`) is the fast unit tier.
+# Tests that use one of these (directly or through another fixture) start Ray or a vLLM engine, and these modules
+# run the real entry points or train drafters: the `e2e` tier. The rest (`pytest -m "not e2e"`) is the unit tier.
 E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine"}
+E2E_MODULES = {"test_export.py", "test_mla_pipeline.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in E2E_MODULES:
             item.add_marker(pytest.mark.e2e)
 
 

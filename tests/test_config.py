@@ -12,8 +12,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "ray_jobs" / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
 
 
-def test_the_shipped_recipes_are_the_four_documented_ones():
-    assert [p.stem for p in RECIPES] == ["kimi_k25", "llama3_8b", "qwen3_30b_a3b", "tiny_cpu"]
+def test_the_shipped_recipes_are_the_five_documented_ones():
+    assert [p.stem for p in RECIPES] == ["kimi_k25", "llama3_8b", "qwen3_30b_a3b", "tiny_cpu", "tiny_kimi_cpu"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
