@@ -101,6 +101,14 @@ def replay_counts(draft_tokens: list[torch.Tensor], targets: torch.Tensor, loss_
             for name, value in replay(correct, valid, k, document_ids).items()}
 
 
+def batch_replay_counts(model, draft_tokens: list[torch.Tensor], batch: dict[str, torch.Tensor],
+                        ks: list[int]) -> dict[str, float]:
+    """`replay_counts` of one speculators batch (`input_ids`, `verifier_last_hidden_states`, `loss_mask`,
+    `document_ids`) and the draft tokens the model returned for it; call it under the forward's autocast."""
+    targets = target_ids(model, batch["verifier_last_hidden_states"], batch["input_ids"], batch["document_ids"])
+    return replay_counts(draft_tokens, targets, batch["loss_mask"], batch["document_ids"], ks)
+
+
 def summarize(sums: dict[str, float], ks: list[int], prefix: str = "val_") -> dict[str, float]:
     """Summed `replay_counts` -> mean acceptance length and per-position acceptance per k (vLLM's definitions:
     1 + accepted / drafts and accepted at position j / drafts)."""
