@@ -272,7 +272,7 @@ def run(cfg: Config) -> dict[str, Any]:
     held_out = check_held_out(prompts, stage.input_dir(cfg, "ingest" if cfg.train.source == "online" else "generate"))
     summary = stage.run(cfg, STAGE, version(cfg), lambda out: _measure(cfg, export_dir, prompts, held_out, out),
                         inputs={"export": export_dir})
-    results = storage.read_json(storage.join(summary["path"], "results.json"))
+    results = {**storage.read_json(storage.join(summary["path"], "results.json")), "version": summary["version"]}
     results["gate"] = gate(results["rows"], cfg)
     report.write(summary["path"], results)
     return _verdict(cfg, results)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from drafters import cached_run
+from drafters import attach, cached_run
 from eagle3_ray import evaluate, export, report, storage
 from eagle3_ray.config import config_from_dict, dump_config
 
@@ -21,16 +21,16 @@ ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max
 def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
     fields = {"num_prompts": 8, "max_tokens": 48, "num_speculative_tokens": [3], "concurrency": [1, 4],
               "engine_kwargs": ENGINE_KWARGS, "report_only": True, **evaluate_fields}
-    return config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                             "verifier": {"path": verifier_dir, "max_model_len": 512}, "evaluate": fields})
+    return attach(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                                    "verifier": {"path": verifier_dir, "max_model_len": 512},
+                                    "export": {"checkpoint": "last"}, "evaluate": fields}))
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama, ray_session):
     """Trained drafter exported (shared with test_export.py), then evaluated once: baseline + k=3 engines."""
     run_dir = cached_run(tmp_path_factory, tiny_llama, "trained", num_steps=100, num_epochs=2)
-    export.run(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                                 "verifier": {"path": tiny_llama}, "export": {"checkpoint": "last"}}))  # 200 steps
+    export.run(make_cfg(run_dir, tiny_llama))  # the last checkpoint: 200 steps
     summary = evaluate.run(make_cfg(run_dir, tiny_llama))
     out_dir = storage.latest(str(run_dir), "evaluate")["path"]
     return {"run_dir": run_dir, "verifier": tiny_llama, "summary": summary, "out_dir": out_dir,
@@ -70,9 +70,8 @@ def test_gate_fails_a_drafter_that_changes_a_greedy_output_one_request_at_a_time
 
 def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, tmp_path_factory, tiny_llama):
     untrained_run = cached_run(tmp_path_factory, tiny_llama, "untrained", num_steps=0)
-    export.run(config_from_dict({"run": {"storage_path": str(untrained_run.parent), "name": untrained_run.name},
-                                 "verifier": {"path": tiny_llama}}))
     cfg = make_cfg(untrained_run, tiny_llama, concurrency=[4])
+    export.run(cfg)
     drafter = storage.latest(str(untrained_run), "export")["speculators_dir"]
     prompts = evaluate._tokenize(tiny_llama, evaluate.load_prompts(cfg), False)
     run = evaluate.run_engine(cfg, evaluate.engine_args(cfg, tiny_llama, drafter, 3), prompts)["runs"][4]
@@ -97,7 +96,7 @@ def test_gate_fails_a_missed_threshold_and_passes_a_met_one_without_restarting_e
     reported = evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup=1000.0, report_only=True))
     assert not reported["passed"]
     out = capsys.readouterr().out
-    assert out.count("skip reason=already measured") == 4 and "deploy gate: FAIL" in out
+    assert out.count("[eagle3 evaluate] already_done") == 4 and "deploy gate: FAIL" in out
 
 
 def test_evaluate_job_exits_nonzero_with_a_summary_when_the_gate_fails(trained, tiny_llama, tmp_path):
@@ -147,11 +146,10 @@ def test_online_runs_check_held_out_prompts_against_the_ingested_conversations(t
     messages = [[{"role": "user", "content": "write a parser"}]]
     storage.write_parquet_atomic(storage.join(ingest_dir, "conversations.parquet"),
                                  pa.table({"id": ["a1"], "messages": messages}))
-    storage.set_latest(run_dir, "ingest", "v1")
     held_out = [{"id": "b2", "messages": [{"role": "user", "content": "sort a list"}]}]
-    assert check_held_out(held_out, run_dir, "online")["num_train_conversations"] == 1
+    assert check_held_out(held_out, ingest_dir)["num_train_conversations"] == 1
     with pytest.raises(ValueError, match="in the training data"):
-        check_held_out([{"id": "c3", "messages": messages[0]}], run_dir, "online")
+        check_held_out([{"id": "c3", "messages": messages[0]}], ingest_dir)
 
 
 def test_engine_actor_copies_a_drafter_on_storage_to_its_own_node(trained, tiny_llama):
