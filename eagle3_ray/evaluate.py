@@ -149,7 +149,8 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
     train_ids = set(table.column("id").to_pylist())
     train_texts = {m["content"] for msgs in table.column("messages").to_pylist() for m in msgs if m["role"] == "user"}
     overlap = [p["id"] for p in prompts
-               if p["id"] in train_ids or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")]
+               if p["id"] in train_ids
+               or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")]
     if overlap:
         raise ValueError(f"{len(overlap)} evaluation prompt(s) were in the training data ({uri}), e.g. ids "
                          f"{overlap[:5]}: evaluate on held-out prompts")
@@ -234,7 +235,8 @@ def predicted_vs_measured(metrics: dict[str, Any], rows: list[dict[str, Any]],
                 "gap": None if predicted is None else measured - predicted, "flagged": False, "message": None}
         if predicted is None:
             item["message"] = (f"k={k}: no prediction: the checkpoint's validation has no "
-                               f"val_replay_acceptance_length_k{k} (trained with fewer ttt_steps, or before the replay)")
+                               f"val_replay_acceptance_length_k{k} (trained with fewer ttt_steps, or before the "
+                               "replay existed)")
         elif abs(item["gap"]) > PREDICTION_TOLERANCE:
             item.update(flagged=True, message=_gap_message(k, predicted, measured, info))
         out.append(item)
@@ -316,7 +318,8 @@ def gate(rows: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
     identical; the drafter passes when some draft length does. The recommended length has the best worst speedup."""
     misses: dict[int, list[str]] = {}
     for row in (r for r in rows if r["num_speculative_tokens"]):
-        k, c, reasons = row["num_speculative_tokens"], row["concurrency"], misses.setdefault(row["num_speculative_tokens"], [])
+        k, c = row["num_speculative_tokens"], row["concurrency"]
+        reasons = misses.setdefault(k, [])
         need = _min_speedup(cfg, c)
         if need is not None and row["speedup"] < need:
             reasons.append(f"k={k} c={c}: speedup {row['speedup']:.3f} < min_speedup {need}")

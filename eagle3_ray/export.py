@@ -2,8 +2,8 @@
 
     python ray_jobs/export.py ray_jobs/configs/tiny_cpu.yaml export.checkpoint=last
 
-Reads the train output this config determines, picks the checkpoint (`export.checkpoint`: best | last | epoch=N), checks the
-capture/serving contract (contract.py) against the checkpoint's capture.json and the verifier, and writes
+Reads the train output this config determines, picks the checkpoint (`export.checkpoint`: best | last | epoch=N),
+checks the capture/serving contract (contract.py) against the checkpoint's capture.json and the verifier, and writes
 `export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
 actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
 already has or vLLM does not need. The contract is checked again on the written directory, and against the vLLM that
@@ -144,7 +144,8 @@ def _export(cfg: Config, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
         capture_where = f"{entry['path']}/capture.json"
         checkpoint_config = json.loads((ckpt / "config.json").read_text())
         verifier_config = json.loads(Path(verifier_dir, "config.json").read_text())
-        contract.check_contract(checkpoint_config, capture, verifier_config, drafter_where=f"{entry['path']}/config.json",
+        contract.check_contract(checkpoint_config, capture, verifier_config,
+                                drafter_where=f"{entry['path']}/config.json",
                                 capture_where=capture_where, verifier_where=f"{verifier_dir}/config.json")
         spec_dir = Path(tmp) / "speculators"
         config = export_config(checkpoint_config, capture, verifier_dir, cfg.export.dtype,

@@ -71,7 +71,8 @@ def expand_input(uri: str, where: str) -> list[InputFile]:
         files = [_input_file(storage.join(uri, rel), info, fs, where) for rel, info in found
                  if os.path.splitext(rel)[1] in FILE_KINDS]
         if not files:
-            raise ValueError(f"{where}: folder {uri} holds no {', '.join(FILE_KINDS)} files and is not a datasets folder")
+            raise ValueError(f"{where}: folder {uri} holds no {', '.join(FILE_KINDS)} files and is not a datasets "
+                             "folder")
         return files
     ext = os.path.splitext(path)[1]
     if ext not in FILE_KINDS:
@@ -155,7 +156,8 @@ def jsonl_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | N
         try:
             row = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
-            yield index, json.dumps(line.decode("utf-8", "backslashreplace")), f"invalid_utf8:{e.reason} at byte {e.start}"
+            raw = json.dumps(line.decode("utf-8", "backslashreplace"))
+            yield index, raw, f"invalid_utf8:{e.reason} at byte {e.start}"
             continue
         except ValueError as e:
             yield index, json.dumps(line.decode("utf-8")), f"invalid_json:{e}"

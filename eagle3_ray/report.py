@@ -68,7 +68,8 @@ def summary_table(results: dict[str, Any]) -> str:
     lines += prediction_lines(results)
     g = results["gate"]
     verdict = "PASS" if g["passed"] else "FAIL"
-    lines.append(f"deploy gate: {verdict} (recommended num_speculative_tokens={g['recommended_num_speculative_tokens']})"
+    lines.append(f"deploy gate: {verdict} "
+                 f"(recommended num_speculative_tokens={g['recommended_num_speculative_tokens']})"
                  + "".join(f"\n  miss: {m}" for m in g["misses"]))
     return "\n".join(lines)
 
@@ -104,7 +105,8 @@ def _prediction_table(results: dict[str, Any]) -> list[str]:
     rows = results.get("predicted_vs_measured", [])
     if not rows:
         return []
-    table = ["| k | predicted mean acceptance length | measured | gap | predicted per position | measured per position |",
+    table = ["| k | predicted mean acceptance length | measured | gap | predicted per position "
+             "| measured per position |",
              "|" + "---|" * 6]
     table += [f"| {p['num_speculative_tokens']} | {_fmt(p['predicted_acceptance_length'])} | "
               f"{p['measured_acceptance_length']:.3f} | {_signed(p['gap'])} | "
@@ -118,7 +120,8 @@ def _prediction_table(results: dict[str, Any]) -> list[str]:
 def markdown(results: dict[str, Any]) -> str:
     g = results["gate"]
     rows = [r for r in results["rows"] if r["num_speculative_tokens"]]
-    table = ["| k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate | mean acceptance length "
+    table = ["| k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
+             "| mean acceptance length "
              "| per-position acceptance | identical greedy outputs |", "|" + "---|" * 9]
     table += [f"| {r['num_speculative_tokens']} | {r['concurrency']} | {r['baseline_tokens_per_s']:.1f} | "
               f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance_rate']:.3f} | "
@@ -128,7 +131,8 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join([
         f"# Drafter evaluation {results['version']}", "",
         f"- drafter: `{results['drafter_dir']}`", f"- verifier: `{results['verifier_path']}`",
-        f"- prompts: {len(results['prompt_ids'])} held out (none in the {results['held_out']['num_train_conversations']} "
+        f"- prompts: {len(results['prompt_ids'])} held out "
+        f"(none in the {results['held_out']['num_train_conversations']} "
         f"training conversations), chat template applied, greedy, max_tokens={results['max_tokens']}",
         f"- aux layers: captured {results['capture_aux_layer_ids']}, used by vLLM {results['vllm_aux_layer_ids']}", "",
         f"**Deploy gate: {'PASS' if g['passed'] else 'FAIL'}** (thresholds {g['thresholds']}; recommended "

@@ -51,7 +51,7 @@ def test_drafts_start_at_the_first_masked_position_and_restart_after_an_unmasked
     targets = list(range(10, 22))
     mask = [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]  # prompt, response, user turn, response
     got = counts(perfect_drafts(targets, 2), targets, mask, [0] * 12, 2)
-    # start 2: steps at 2, 3 accepted; start 5 is masked (skip to 8): steps at 8, 9; start 11: step 11, then the row ends
+    # start 2: steps at 2, 3 accepted; start 5 is masked (skip to 8): steps at 8, 9; start 11: step 11, row ends
     assert got == {"drafts": 3, "accepted": 5, "accepted_0": 3, "accepted_1": 2}
 
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from drafters import attach, cached_run
+
 from eagle3_ray import evaluate, export, report, storage
 from eagle3_ray.config import config_from_dict, dump_config
 
@@ -222,7 +222,8 @@ def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_accept
     measured, measured_pos = report.measured_acceptance([r for r in rows if r["concurrency"] == 1], 3)
     print(f"k=3 mean acceptance length: replay {predicted['val_replay_acceptance_length_k3']:.3f} "
           f"vLLM {measured:.3f}; per position replay "
-          f"{[round(predicted[f'val_replay_acc_k3_{j}'], 3) for j in range(3)]} vLLM {[round(a, 3) for a in measured_pos]}")
+          f"{[round(predicted[f'val_replay_acc_k3_{j}'], 3) for j in range(3)]} "
+          f"vLLM {[round(a, 3) for a in measured_pos]}")
     assert abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05
     [check] = evaluate.predicted_vs_measured(predicted, rows, {3: trained["results"]["vllm_speculative"]["3"]})
     assert not check["flagged"] and check["predicted_acceptance_length"] == predicted["val_replay_acceptance_length_k3"]

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 import torch
+from drafters import attach, cached_run
 from safetensors import safe_open
 
-from drafters import attach, cached_run
 from eagle3_ray import contract, export, storage
 from eagle3_ray.config import config_from_dict
 
@@ -37,12 +37,14 @@ def test_export_writes_bf16_speculators_drafter_without_optimizer_or_frozen_veri
     config = storage.read_json(storage.join(out, "config.json"))
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert config["speculators_config"]["verifier"] == {"architectures": ["LlamaForCausalLM"], "name_or_path": tiny_llama}
+    assert config["speculators_config"]["verifier"] == {"architectures": ["LlamaForCausalLM"],
+                                                        "name_or_path": tiny_llama}
     assert config["draft_vocab_size"] == 1024 and config["dtype"] == "bfloat16"
     with safe_open(f"{out}/model.safetensors", "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     assert not [k for k in tensors if k.startswith(("embed_tokens", "verifier_lm_head", "verifier_norm"))]
-    assert {"fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight"} <= set(tensors)
+    expected = {"fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight"}
+    assert expected <= set(tensors)
     assert {t.dtype for k, t in tensors.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert tensors["lm_head.weight"].shape == (1024, 256)
@@ -81,7 +83,8 @@ def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exp
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
 
 
-def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama, tmp_path):
+def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama,
+                                                                                           tmp_path):
     bad_run = tmp_path / "bad"
     shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"), symlinks=True)
     best = storage.latest(str(run_dir), "train")["best"]["path"]

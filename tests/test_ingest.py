@@ -148,7 +148,8 @@ def test_broken_rows_land_in_rejects_with_their_reason_and_counts_reconcile(inge
 
     summary = ingest.run(make_cfg(tmp_path, tiny_llama, [jsonl, parquet], "ingest.max_prompt_tokens=64"))
 
-    expected = {f"{jsonl}:{i}": reason for i, (_, reason) in enumerate(BROKEN_ROWS) if reason not in (None, "duplicate")}
+    expected = {f"{jsonl}:{i}": reason for i, (_, reason) in enumerate(BROKEN_ROWS)
+                if reason not in (None, "duplicate")}
     expected[f"{parquet}:1"] = "invalid_utf8"
     rejects = read_output(summary, "rejects.parquet")
     assert {r["source"]: r["reason"] for r in rejects} == expected
