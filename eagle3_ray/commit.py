@@ -6,21 +6,24 @@ encodes them (bf16/fp8) and hands them to the unit's sink, while the engine goes
     GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
     (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
 
-The writer's queue holds at most `generate.units_in_flight` commits (each unit waits for its own) plus earlier
-turns' captures to delete; the bytes behind them are bounded by engine_loop.ByteBudget.
+The writer's queue is bounded (2 x generate.units_in_flight jobs: commits, each unit waiting for its own, and
+earlier turns' captures to delete); when it is full the caller, the engine loop included, waits: the writer fell
+behind, logged as `backpressure`. The bytes behind the queue are bounded by engine_loop.ByteBudget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
+import time
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from eagle3_ray import chat, shards, storage
+from eagle3_ray import chat, shards, storage, telemetry
 from eagle3_ray.config import Config
 
 STATS_FIELDS = [("hs_zero_rows", pa.list_(pa.int32())), ("hs_nonfinite", pa.list_(pa.int64())),
@@ -61,19 +64,28 @@ class CaptureWriter:
     """The actor's writer thread. `commit` is called on the actor's event loop and returns a future of the sink's
     result; `discard` (any thread) deletes an earlier turn's capture file once vLLM has finished writing it."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, max_jobs: int):
         self.dtype = dtype
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_jobs)
         threading.Thread(target=self._run, name="capture-writer", daemon=True).start()
 
     def discard(self, paths: list[str]) -> None:
         if paths:
-            self.jobs.put(("discard", paths))
+            self._put(("discard", paths))
 
     def commit(self, unit_id: str, convs: list, sink: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        self.jobs.put(("commit", (unit_id, convs, sink, future)))
+        self._put(("commit", (unit_id, convs, sink, future)))
         return future
+
+    def _put(self, job: tuple) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            start = time.monotonic()
+            self.jobs.put(job)
+            waited_s = round(time.monotonic() - start, 3)
+            telemetry.log("generate", "backpressure", pid=os.getpid(), writer_queue_full_s=waited_s)
 
     def pending(self) -> int:
         return self.jobs.qsize()

@@ -149,7 +149,7 @@ class EngineActor:
         self.sink = self.make_sink()
         self.bytes_per_token = self._bytes_per_token(verifier_path) if kind != "plain" else 0
         self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
-        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype)
+        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, 2 * self.cfg.generate.units_in_flight)
         self.requests = RequestLoop(self.llm.llm_engine)
         engine_procs = self._record_pids()
         threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
@@ -198,11 +198,15 @@ class EngineActor:
         num_bytes = num_tokens * self.bytes_per_token
         await self.budget.acquire(num_bytes, unit_id)
         try:
+            start = time.monotonic()
             convs = await self._run_conversations(unit_id, samples)
+            engine_s = time.monotonic() - start
             rows = await self.writer.commit(unit_id, convs, self.sink)
         finally:
             await self.budget.release(num_bytes)
         shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
+        telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples), engine_s=round(engine_s, 3),
+                      commit_s=round(time.monotonic() - start - engine_s, 3), time=round(time.time(), 3))
         return rows
 
     def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]]) -> asyncio.Future:

@@ -240,4 +240,4 @@ class _Progress:
 
     def totals(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "bytes": self.bytes, "samples": self.done, "rejected": self.rejected,
-                "wall_s": self.meter.elapsed_s}
+                "wall_s": self.meter.elapsed_s, "end_time": time.time()}

@@ -128,4 +128,5 @@ def _summary(out: str, rows_in: int, manifest: pa.Table, rejects: pa.Table, proc
             "captured_tokens": tokens, "shard_bytes": total_bytes, "bytes_per_token": total_bytes / max(tokens, 1),
             "run_wall_s": wall_s, "run_samples": processed.get("samples", 0), "run_tokens": processed["tokens"],
             "run_tokens_per_s": processed["tokens"] / max(wall_s, 1e-9),
-            "run_mode": processed.get("mode"), "capture_stats": capture_stats_summary(out)}
+            "run_mode": processed.get("mode"), "run_first_pass": processed.get("first_pass"),
+            "capture_stats": capture_stats_summary(out)}

@@ -125,11 +125,12 @@ def stage_child(args, mode: str, out_len: int) -> dict:
         ray.shutdown()
     out = summary["path"]
     engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
-    first_ready = min(e["ready_time"] for e in engines)
     last_commit = max(os.path.getmtime(p) for p in glob.glob(f"{out}/parts/*.parquet"))
-    second_start = sum(e["ready_time"] - e["start_time"] for e in engines if e["kind"] == "prefill") \
-        if mode == "two_pass" else 0.0
-    wall_s = last_commit - first_ready - second_start
+    ready = {e["kind"]: min(x["ready_time"] for x in engines if x["kind"] == e["kind"]) for e in engines}
+    if mode == "two_pass":  # regeneration: plain engine ready -> its last unit back; capture: ready -> last part
+        wall_s = summary["run_first_pass"]["end_time"] - ready["plain"] + last_commit - ready["prefill"]
+    else:
+        wall_s = last_commit - min(ready.values())
     conv = generate_table(out)
     out_tokens = sum(conv["num_response_tokens"]) if mode != "capture_only" else 0
     prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
