@@ -68,5 +68,5 @@ def run(cfg: Config, name: str, version: str, body: Callable[[str], dict[str, An
         cfg.to_dict(), input_fingerprint=input_fingerprint, inputs=inputs or {}))
     storage.mark_complete(out, {"version": version})
     storage.set_latest(run_dir, name, version, summary)
-    log(name, "done", **{k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
+    log(name, "done", **{k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k != "stage"})
     return summary
