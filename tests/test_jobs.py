@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
-from helpers_ray_head import latest_path, pipeline_entrypoint, run_job
+from helpers_ray_head import latest_path, pipeline_entrypoint, run_job  # noqa: E402
 
-from eagle3_ray import storage
+from eagle3_ray import storage  # noqa: E402
 
 pytest_plugins = ["helpers_ray_head", "helpers_s3"]
 pytestmark = pytest.mark.slow
@@ -26,6 +26,12 @@ def test_submitted_pipeline_succeeds_and_every_stage_finishes(pipeline_job):
     drafter = latest_path(run_dir, "export") / "speculators"
     assert (drafter / "config.json").exists() and (drafter / "model.safetensors").exists()
     assert (latest_path(run_dir, "evaluate") / "results.json").exists()
+
+
+def test_every_train_worker_line_appears_once_in_the_job_log(pipeline_job):
+    lines = [line for line in pipeline_job.logs.splitlines() if "[eagle3 train] train step=" in line]
+    assert lines, "no train metric lines in the job log"
+    assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1][:3]
 
 
 def test_rest_api_needs_the_token(ray_head, pipeline_job):

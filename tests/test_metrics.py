@@ -8,7 +8,7 @@ import json
 import pytest
 
 pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
-from helpers_ray_head import latest_path
+from helpers_ray_head import latest_path  # noqa: E402
 
 pytest_plugins = ["helpers_ray_head"]
 pytestmark = pytest.mark.slow
