@@ -45,14 +45,20 @@ def make_conversations(tokenizer, num: int) -> list[list[dict]]:
     return convs
 
 
-def write_ingest(run_dir: str, tokenizer, convs: list[list[dict]]) -> None:
+def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> None:
+    """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
     import hashlib
 
+    from eagle3_ray import stage
+
+    def prompt_tokens(c: list[dict]) -> int:
+        return len(tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=False))
+
     rows = [{"id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16], "messages": c, "source": f"bench:{i}",
-             "num_turns": 1, "num_prompt_tokens": len(tokenizer.apply_chat_template(c[:1], add_generation_prompt=True,
-                                                                                   tokenize=False))} for i, c in enumerate(convs)]
-    storage.write_parquet_atomic(storage.join(run_dir, "ingest", "bench", "conversations.parquet"), pa.Table.from_pylist(rows))
-    storage.set_latest(run_dir, "ingest", "bench")
+             "num_turns": 1, "num_prompt_tokens": prompt_tokens(c)} for i, c in enumerate(convs)]
+    table = pa.Table.from_pylist(rows)
+    stage.run(cfg, "ingest", stage.version(cfg, "ingest"), lambda out: (
+        storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table), {"rows_ok": len(rows)})[1])
 
 
 def steady_rate(files_tokens: list[tuple[float, int]]) -> float:
@@ -74,7 +80,7 @@ def run_ours(work: str, verifier: str, dtype: str, num_samples: int) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(verifier)
-    write_ingest(cfg.run.run_dir, tok, make_conversations(tok, num_samples))
+    write_ingest(cfg, tok, make_conversations(tok, num_samples))
     summary = run(cfg)  # a finished version is not redone: its summary and part times are reported
     out = summary["path"]
     parts = [(os.path.getmtime(p), int(sum(pq.read_table(p)["num_tokens"].to_pylist())))
@@ -110,7 +116,8 @@ def run_speculators(work: str, verifier: str, ours_out: str, concurrency: int) -
         start_s = time.monotonic() - t0
         t1 = time.monotonic()
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "speculators"), "generate-offline-data",
-                        "--endpoint", f"http://127.0.0.1:{port}/v1", "--preprocessed-data", data_dir, "--output", hs_dir,
+                        "--endpoint", f"http://127.0.0.1:{port}/v1", "--preprocessed-data", data_dir,
+                        "--output", hs_dir,
                         "--concurrency", str(concurrency), "--fail-on-error"], check=True,
                        stdout=open(f"{work}/client.log", "w"), stderr=subprocess.STDOUT)
         client_s = time.monotonic() - t1

@@ -39,11 +39,12 @@ def recipe(work: str, mode: str, verifier: str, num_samples: int, epochs: int) -
     }
 
 
-def write_ingest(run_dir: str, verifier: str, num_samples: int) -> None:
+def write_ingest(cfg, verifier: str, num_samples: int) -> None:
+    """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from eagle3_ray import storage
+    from eagle3_ray import stage, storage
     from eagle3_ray.prompts import tiny_prompts
 
     tok = AutoTokenizer.from_pretrained(verifier)
@@ -54,9 +55,9 @@ def write_ingest(run_dir: str, verifier: str, num_samples: int) -> None:
         rows.append({"id": hashlib.sha256(json.dumps(msgs).encode()).hexdigest()[:16], "messages": msgs,
                      "source": f"bench:{i}", "num_turns": 1,
                      "num_prompt_tokens": len(tok.apply_chat_template(msgs, add_generation_prompt=True))})
-    storage.write_parquet_atomic(storage.join(run_dir, "ingest", "bench", "conversations.parquet"),
-                                 pa.Table.from_pylist(rows))
-    storage.set_latest(run_dir, "ingest", "bench")
+    table = pa.Table.from_pylist(rows)
+    stage.run(cfg, "ingest", stage.version(cfg, "ingest"), lambda out: (
+        storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table), {"rows_ok": len(rows)})[1])
 
 
 def child(args: argparse.Namespace) -> None:
@@ -66,7 +67,7 @@ def child(args: argparse.Namespace) -> None:
     from eagle3_ray.config import config_from_dict
 
     cfg = config_from_dict(recipe(args.work, args.mode, args.verifier, args.num_samples, args.epochs))
-    write_ingest(cfg.run.run_dir, args.verifier, args.num_samples)
+    write_ingest(cfg, args.verifier, args.num_samples)
     ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=f"{args.work}/ray-{os.getpid()}")
     start = time.monotonic()
     if cfg.train.source == "offline":

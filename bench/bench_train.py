@@ -8,7 +8,8 @@ step body, in one process without Ray Train (so it times the step, not Ray start
 Eagle3DraftModel construction and loss kwargs, its ArrowDataset + MultipackDistributedBatchSamplerV2 + CollateFn +
 shift_batch, and the same step body. speculators' own Trainer cannot run on CPU (trainer.py calls
 model.to(local_rank)), so the plain loop stands in for it; bench/gpu_train_bench.py runs the real Trainer on a GPU.
-Runs in ABBA order (ours, spec, spec, ours) and averages, since the CPU is shared. Both sides: fp32, sdpa attention, eager loss, one loader worker, same total_seq_len and steps, warmup excluded.
+Runs in ABBA order (ours, spec, spec, ours) and averages, since the CPU is shared. Both sides: fp32, sdpa attention,
+eager loss, one loader worker, same total_seq_len and steps, warmup excluded.
 """
 
 from __future__ import annotations

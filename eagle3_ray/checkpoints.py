@@ -10,8 +10,9 @@ A checkpoint directory (docs/stages.md, train):
 
 `Eagle3DraftModel.from_pretrained(dir)` loads such a directory as it is (the missing frozen tensors are in the
 model's `_keys_to_ignore_on_load_missing`; verifier head and norm are refilled from the verifier named in
-config.json), but speculators 0.9.0 leaves `embed_tokens` uninitialized (torch.empty) rather than NaN, so its refill-if-NaN
-check skips it: `load_drafter` below calls from_pretrained and then refills the embeddings from the verifier. Retention: Ray keeps the last N directories (CheckpointConfig(num_to_keep=N), ordered by report time);
+config.json), but speculators 0.9.0 leaves `embed_tokens` uninitialized (torch.empty) rather than NaN, so its
+refill-if-NaN check skips it: `load_drafter` below calls from_pretrained and then refills the embeddings from the
+verifier. Retention: Ray keeps the last N directories (CheckpointConfig(num_to_keep=N), ordered by report time);
 the best one by the validation metric is also copied, weights and config only, to `best/` (complete when its
 train_state.json exists). Run dirs may be local paths or URIs (storage.py).
 """

@@ -54,7 +54,8 @@ class RunConfig:
             # Ray Train parses a storage path as a URI: a relative one has no scheme and fails. Anchor local paths
             # where the command runs, which is also where a user looks for `runs/`.
             self.storage_path = os.path.abspath(self.storage_path)
-        _check(bool(self.name) and "/" not in self.name, "run.name", f"must be a non-empty name without '/', got {self.name!r}")
+        _check(bool(self.name) and "/" not in self.name, "run.name",
+               f"must be a non-empty name without '/', got {self.name!r}")
 
     @property
     def run_dir(self) -> str:
@@ -64,7 +65,8 @@ class RunConfig:
 @dataclass(kw_only=True, slots=True)
 class VerifierConfig:
     path: str = "tiny:llama"
-    """HF model directory (or URI) of the verifier, or `tiny:llama` / `tiny:qwen3` to build a tiny one in the run dir."""
+    """HF model directory (or URI) of the verifier, or `tiny:<arch>` (llama, qwen3, deepseek_v3, kimi) to build a tiny
+    one in the run dir."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype the verifier runs in (vLLM and the frozen parts of the drafter)."""
     trust_remote_code: bool = False
@@ -160,9 +162,11 @@ class GenerateConfig:
     ignore_eos: bool = False
     """Generate exactly `max_tokens` per turn, past end-of-turn tokens (benchmarks with fixed output lengths)."""
     enable_thinking: bool | None = None
-    """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template default)."""
+    """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template
+    default)."""
     hidden_states_dtype: Literal["bfloat16", "fp8", "float32"] = "bfloat16"
-    """Storage dtype of hidden states. fp8 is e4m3 with a power-of-two scale per token and layer (half the bytes of bf16).
+    """Storage dtype of hidden states. fp8 is e4m3 with a power-of-two scale per token and layer (half the bytes of
+    bf16).
     float32 stores exactly what an fp32 verifier computed (twice bf16's bytes; for checks against a reference)."""
     shard_max_bytes: int = 1 << 30
     """Upper bound on one safetensors shard's payload; a batch larger than this is split over several shards."""
@@ -171,7 +175,8 @@ class GenerateConfig:
         _check(self.num_replicas >= 1, "generate.num_replicas", "must be >= 1")
         _check(self.max_replicas is None or self.max_replicas >= self.num_replicas, "generate.max_replicas",
                f"must be >= num_replicas ({self.num_replicas})")
-        _check(self.tensor_parallel_size in (1, 2, 4, 8, 16), "generate.tensor_parallel_size", "must be 1, 2, 4, 8 or 16")
+        _check(self.tensor_parallel_size in (1, 2, 4, 8, 16), "generate.tensor_parallel_size",
+               "must be 1, 2, 4, 8 or 16")
         _check(self.max_batch_tokens > 0, "generate.max_batch_tokens", "must be > 0")
         _check(self.temperature >= 0, "generate.temperature", "must be >= 0")
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
@@ -289,7 +294,8 @@ class ExportConfig:
     the way to serve a norm_output drafter on vLLM 0.24, whose loader drops the top-level field."""
 
     def __post_init__(self) -> None:
-        ok = self.checkpoint in ("best", "last") or (self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit())
+        named_epoch = self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit()
+        ok = self.checkpoint in ("best", "last") or named_epoch
         _check(ok, "export.checkpoint", f"must be 'best', 'last' or 'epoch=N', got {self.checkpoint!r}")
         version = self.serving_vllm_version
         _check(version is None or all(part.isdigit() for part in version.split(".")[:2]),
@@ -320,7 +326,8 @@ class EvaluateConfig:
     A draft length passes when all its concurrency levels meet the thresholds; the drafter passes when one does."""
     prompts: str | None = None
     """Held-out prompts: a JSONL or Parquet file (local or URI) with `messages` (or a `prompt` string) and optionally
-    `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are refused."""
+    `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are
+    refused."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `vllm.LLM`, the same for both engines (e.g. enforce_eager, kv_cache_memory_bytes)."""
     num_cpus_per_engine: float = 1.0

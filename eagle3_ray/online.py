@@ -106,7 +106,8 @@ def draft_vocab(out_dir: str, rows: list[dict], cfg: Config, encoder, capture: d
 def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
     """Packed steps per epoch from planned token costs (prompt + max_tokens per turn, an upper bound): the LR schedule
     needs a length before any response exists."""
-    return max(1, math.ceil(sum(costs) * (1 - cfg.train.val_fraction) / (cfg.train.total_seq_len * cfg.train.num_workers)))
+    tokens_per_step = cfg.train.total_seq_len * cfg.train.num_workers
+    return max(1, math.ceil(sum(costs) * (1 - cfg.train.val_fraction) / tokens_per_step))
 
 
 def _plan(cfg: Config, ingest_dir: str, verifier_path: str):

@@ -28,7 +28,8 @@ from speculators.train.recovery import SampleUnavailable
 from eagle3_ray import acceptance, data, shards, storage
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
-from eagle3_ray.train_worker import Loop, MetricSums, WorkerArgs, collective_device, make_loaders, metric_tensors, summarize, to_device
+from eagle3_ray.train_worker import (Loop, MetricSums, WorkerArgs, collective_device, make_loaders, metric_tensors,
+                                     summarize, to_device)
 
 
 def stream_sample(row: dict, num_aux: int, dtype: torch.dtype) -> dict[str, torch.Tensor] | SampleUnavailable:

@@ -73,7 +73,8 @@ FOLLOW_UPS = [
 
 ANSWER_OPENERS = [
     "Here is a straightforward version:\n\n```python\ndef solve(data):\n    return data\n```",
-    "One way is to keep it small and explicit:\n\n```python\ndef helper(items):\n    result = []\n    for item in items:\n        result.append(item)\n    return result\n```",
+    "One way is to keep it small and explicit:\n\n```python\ndef helper(items):\n    result = []\n"
+    "    for item in items:\n        result.append(item)\n    return result\n```",
 ]
 
 Split = Literal["train", "eval"]

@@ -52,7 +52,8 @@ def list_files(uri: str, suffix: str = "") -> list[str]:
     if fs.get_file_info(path).type == pafs.FileType.NotFound:
         return []
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    return sorted(join(uri, i.base_name) for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
+    return sorted(join(uri, i.base_name) for i in infos
+                  if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
 
 
 def list_dirs(uri: str) -> list[str]:

@@ -205,7 +205,8 @@ class Sinks:
 
             self.jsonl = JsonlWriter(storage.join(out_dir, "metrics.jsonl"))
             tb_uri = storage.join(out_dir, "tensorboard")
-            self.tb_dir = storage.local_path(tb_uri) if storage.is_local(tb_uri) else tempfile.mkdtemp(prefix="eagle3-tb-")
+            local = storage.is_local(tb_uri)
+            self.tb_dir = storage.local_path(tb_uri) if local else tempfile.mkdtemp(prefix="eagle3-tb-")
             self.tb = SummaryWriter(self.tb_dir)
 
     def emit(self, kind: str, step: int, record: dict[str, Any]) -> None:

@@ -28,7 +28,8 @@ def conversations(num_single: int = 24, num_multi: int = 4, long_words: int = 0)
                       {"role": "user", "content": "Now add error handling and tests."},
                       {"role": "assistant", "content": "Another old answer."}])
     if long_words:
-        convs.append([{"role": "user", "content": "Explain this code: " + " ".join(["def f(x): return x"] * long_words)}])
+        code = " ".join(["def f(x): return x"] * long_words)
+        convs.append([{"role": "user", "content": "Explain this code: " + code}])
     return convs
 
 

@@ -89,7 +89,8 @@ def test_manifest_disagreeing_with_shards_is_reported(gen_copy):
     rows = storage.read_parquet(f"{gen_copy}/manifest.parquet").to_pylist()
     rows[0]["num_tokens"] -= 1
     rows[1]["key"] = "no-such-key"
-    storage.write_parquet_atomic(f"{gen_copy}/manifest.parquet", pa.Table.from_pylist(rows, schema=shards.MANIFEST_SCHEMA))
+    storage.write_parquet_atomic(f"{gen_copy}/manifest.parquet",
+                                 pa.Table.from_pylist(rows, schema=shards.MANIFEST_SCHEMA))
     capture = storage.read_json(f"{gen_copy}/capture.json")
     _, problems = prepare_samples(gen_copy, capture, _cfg(on_bad_sample="skip"))
     assert "manifest says" in problems[rows[0]["id"]] and rows[0]["shard"] in problems[rows[0]["id"]]

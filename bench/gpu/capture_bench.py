@@ -57,7 +57,8 @@ def parameter_counts(model: str) -> dict:
 
     shapes = weight_shapes(Path(model))
     return {"params": sum(s.numel() for s in shapes.values()),
-            "embedding_params": sum(s.numel() for n, s in shapes.items() if "embed_tokens" in n or n == "lm_head.weight")}
+            "embedding_params": sum(s.numel() for n, s in shapes.items()
+                                    if "embed_tokens" in n or n == "lm_head.weight")}
 
 
 def token_prompts(args, vocab_size: int) -> list[dict]:
@@ -146,7 +147,8 @@ def table(args, results: dict, counts: dict) -> str:
     lines = [f"capture_bench  {args.model}  {args.num_prompts} prompts x {args.prompt_len} tokens  TP={args.tp}  "
              f"params {counts['params'] / 1e9:.3g}B  bf16 matmul {results['matmul']['flop_per_s'] / 1e12:.3g} "
              f"TFLOP/s per device ({results['matmul']['device']})",
-             f"{'mode':<10}{'tokens/s':>12}{'per GPU':>12}{'vs plain':>10}{'vs roofline':>13}{'wall_s':>9}{'GB written':>12}",
+             f"{'mode':<10}{'tokens/s':>12}{'per GPU':>12}{'vs plain':>10}{'vs roofline':>13}{'wall_s':>9}"
+             f"{'GB written':>12}",
              f"{'roofline':<10}{roofline:>12.0f}{roofline / args.tp:>12.0f}{'':>10}{1:>13.2f}"]
     plain = results["plain"]["tokens"] / results["plain"]["wall_s"]
     for mode in ("plain", "capture"):

@@ -60,7 +60,8 @@ def read_wheel(path: Path) -> tuple[str, Version, list[Requirement]]:
         text = zf.read(meta).decode()
     name = re.search(r"^Name: (.+)$", text, re.M).group(1).strip()
     version = Version(re.search(r"^Version: (.+)$", text, re.M).group(1).strip())
-    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines()
+            if line.startswith("Requires-Dist:")]
     return canonicalize_name(name), version, reqs
 
 
