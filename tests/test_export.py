@@ -79,7 +79,9 @@ def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exp
     last = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
     assert last["version"] != exported["version"] and last["checkpoint"]["epoch"] == 1
     again = export.run(make_cfg(run_dir, tiny_llama, checkpoint="last"))
-    assert again.pop("skipped") and again == last and "already_done" in capsys.readouterr().out
+    # `last` itself may be a skip: test_evaluate.py exports the same checkpoint of the shared run first
+    assert again.pop("skipped") and again == {k: v for k, v in last.items() if k != "skipped"}
+    assert "already_done" in capsys.readouterr().out
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
 
 
