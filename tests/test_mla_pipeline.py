@@ -120,17 +120,18 @@ def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[
     return worst
 
 
-def test_mla_capture_matches_transformers_forward_pass_within_bf16_drift(kimi_run):
+def test_mla_capture_is_within_8_percent_of_transformers_forward_pass_at_every_layer(kimi_run):
     """vLLM's bf16 capture (its MLA kernels, its fused MoE) against transformers' fp32 forward pass of the same Kimi
     wrapper, printed next to transformers' own bf16 forward pass against the same reference."""
     drift = _drift_per_layer(kimi_run["latest"]["generate"], kimi_run["results"]["verifier_path"])
     print(f"relative error vs transformers fp32, layers {AUX + [FINAL]}: capture {drift['capture'].tolist()}, "
           f"transformers bf16 {drift['transformers_bf16'].tolist()}")
-    # Measured (24 samples): capture 4.8%, 5.4%, 4.7%, 4.3%; transformers bf16 0.5%, 4.4%, 3.5%, 2.7%. vLLM's bf16
-    # MLA prefill drifts more than transformers' at the first layer (its error grows with the number of attended
-    # tokens: 0.4% at token 0, ~7% by token 40). Measured on the same capture, the mistakes this check exists for are
-    # far above the bound: the neighbouring layer 59-87%, the post-norm final layer 70%, states shifted by one token
-    # 24%.
+    # Measured (24 samples): capture 4.8%, 5.4%, 4.7%, 4.3%; transformers bf16 0.5%, 4.4%, 3.5%, 2.7%. This is not
+    # bf16 drift alone: vLLM's fp32 capture of the same model (CPU_MLA, no AMX) is also 2.5-5% off, exact at token 0
+    # (5e-7) and growing with position, and 1.2% from transformers run with every position id 0: vLLM-CPU's MLA path
+    # and transformers disagree on the rotary part (open; the tiny Llama matches to 1e-5 in fp32). The mistakes this
+    # check exists for are far above the bound, measured on the same capture: the neighbouring layer 59-87%, the
+    # post-norm final layer 70%, states shifted by one token 24%.
     assert (drift["capture"] < 0.08).all()
     assert (drift["transformers_bf16"] < 0.08).all()
 
