@@ -43,6 +43,7 @@ def make_cfg(args, work: str, mode: str, out_len: int):
                      "aux_layer_ids": args.aux_layer_ids},
         "generate": {"mode": mode, "max_tokens": out_len, "ignore_eos": True, "temperature": 0.0,
                      "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
+                     "num_cpus_per_replica": args.num_cpus_per_replica,
                      "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
                      "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": 1 << 30}})
 
@@ -226,7 +227,10 @@ def parse_args():
     p.add_argument("--units-in-flight", type=int, default=64)
     p.add_argument("--capture-buffer-bytes", type=int, default=None, help="default 48 GiB on GPU, 2 GiB on CPU")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
-    p.add_argument("--num-cpus", type=int, default=8)
+    p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
+    p.add_argument("--num-cpus-per-replica", type=float, default=None,
+                   help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
+                        "stats and encoding use; default 8 on GPU, 1 on CPU (where vLLM's own worker needs the cores)")
     p.add_argument("--work", default="/tmp/generate_bench")
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -240,6 +244,8 @@ def parse_args():
     args.out_lens = [int(x) for x in (args.out_lens or ("32,128" if args.tiny else "256,2048")).split(",")]
     args.num_prompts = args.num_prompts or (24 if args.tiny else 200)
     args.aux_layer_ids = args.aux_layer_ids or ([1, 3, 4] if args.tiny else None)
+    args.num_cpus = args.num_cpus or (8 if args.tiny else 16)
+    args.num_cpus_per_replica = args.num_cpus_per_replica or (1.0 if args.tiny else 8.0)
     args.dtype = "bfloat16"
     args.max_model_len = max(args.out_lens) + 512
     args.engine_kwargs = {**(CPU_ENGINE if args.tiny else GPU_ENGINE), **(args.engine_kwargs or {})}
