@@ -1,5 +1,6 @@
 """The GPU training bench's CPU-runnable parts at tiny size: both data formats hold the same samples and our step
-is timed (speculators' CLI side needs CUDA and runs only on the lent GPU)."""
+is timed (speculators' CLI side needs CUDA and runs only on a GPU machine); the worker's faster step and loader
+give the plain eager step's loss curve."""
 
 from __future__ import annotations
 
@@ -32,3 +33,85 @@ def test_tiny_bench_writes_both_formats_with_the_same_samples_and_times_our_step
                           warmup=1, num_loader_workers=0)
     assert result["steps"] == 3 and result["tokens_per_s"] > 0 and 0 <= result["data_wait_frac"] < 1
     assert 0 < result["tokens_per_step"] <= 96
+
+
+def _tiny_run(tmp_path):
+    verifier = gb.write_verifier(str(tmp_path / "verifier"), gb.TINY, "cpu")
+    samples = gb.make_samples(16, 20, 40, len(gb.AUX_TINY) + 1, gb.TINY["hidden_size"], gb.TINY["vocab_size"])
+    gen_dir, spec_dir = gb.write_both_formats(str(tmp_path), verifier, gb.TINY, gb.AUX_TINY, samples)
+    return gen_dir, gb.write_vocabs(str(tmp_path), gen_dir, spec_dir, 128, gb.TINY["vocab_size"])
+
+
+def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: int, steps: int = 6) -> list[float]:
+    """Loss per step of the worker's TrainStep (foreach AdamW, no sync per step, loader workers) or of the plain
+    eager reference (per-parameter AdamW, a loss read every step, inline loading), same seed and data."""
+    import json
+    import os
+
+    from eagle3_ray import data, train_worker
+    from eagle3_ray.config import Config
+
+    cfg = Config()
+    tc = cfg.train
+    tc.total_seq_len, tc.draft_vocab_size, tc.loss_implementation = 96, 128, "eager"
+    tc.num_loader_workers = num_loader_workers
+    capture = json.load(open(os.path.join(gen_dir, "capture.json")))
+    cfg.verifier.path = capture["verifier_path"]
+    torch.manual_seed(0)
+    model = train_worker.build_model(cfg, capture, vocab_dir, torch.device("cpu"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    refs, _ = data.load_refs(gen_dir)
+    args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
+    loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
+    kwargs = train_worker.loss_kwargs(cfg)
+    losses = []
+    if faster:
+        opt = train_worker.make_optimizer(params, tc.lr, torch.device("cpu"))
+        step = train_worker.TrainStep(model, params, opt, None, kwargs, torch.device("cpu"), autocast=False,
+                                      max_grad_norm=tc.max_grad_norm)
+        for batch in loader:
+            sums = train_worker.MetricSums()
+            sums.add(step(batch))
+            losses.append(train_worker.summarize(sums.reduce(), tc.ttt_steps, "")["loss"])
+    else:
+        opt = torch.optim.AdamW(params, lr=tc.lr, foreach=False)
+        for batch in loader:
+            _draft, loss, _metrics = model(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, **kwargs)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, tc.max_grad_norm, foreach=False)
+            opt.step()
+            losses.append(float(loss.detach()))
+    return losses[:steps]
+
+
+def test_the_worker_step_and_loader_give_the_loss_curve_of_the_plain_eager_step(tmp_path):
+    gen_dir, vocab_dir = _tiny_run(tmp_path)
+    reference = _losses(gen_dir, vocab_dir, faster=False, num_loader_workers=0)
+    faster = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
+    assert len(reference) == len(faster) >= 3
+    assert max(abs(a - b) for a, b in zip(reference, faster)) < 1e-4 * max(map(abs, reference))
+
+
+def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):
+    from eagle3_ray import train_worker
+
+    monkeypatch.setattr(train_worker.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(train_worker.torch.cuda, "device_count", lambda: 1)
+    assert train_worker.default_loader_workers(use_gpu=True) == 8   # 16 CPUs, one GPU: capped at 8
+    monkeypatch.setattr(train_worker.torch.cuda, "device_count", lambda: 8)
+    assert train_worker.default_loader_workers(use_gpu=True) == 1   # 2 CPUs per GPU, one for the loop
+    assert train_worker.default_loader_workers(use_gpu=False) == 1
+
+
+def test_fp8_shards_decode_to_the_values_bf16_shards_hold_up_to_fp8_rounding(tmp_path):
+    from eagle3_ray import data, shards
+
+    hs = torch.randn(12, 3, 64) * 5
+    for dtype in ("bfloat16", "fp8"):
+        shards.write_shard(str(tmp_path / f"{dtype}.safetensors"), shards.encode_sample("k", hs, dtype))
+    read = {d: data.ShardReader().tensor(str(tmp_path / f"{d}.safetensors"), "k.hs") for d in ("bfloat16", "fp8")}
+    scale = data.ShardReader().tensor(str(tmp_path / "fp8.safetensors"), "k.scale")
+    decoded = shards.dequantize_fp8(read["fp8"], scale, torch.bfloat16)
+    assert read["bfloat16"].dtype == torch.bfloat16 and torch.equal(read["bfloat16"], hs.to(torch.bfloat16))
+    assert ((decoded.float() - hs).norm() / hs.norm()) < 0.05
