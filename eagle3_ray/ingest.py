@@ -45,10 +45,14 @@ ROWS_PER_TASK = 2048
 
 def version(cfg: Config) -> str:
     """Hash of the ingest section, the verifier (its tokenizer counts prompt tokens) and the inputs' fingerprints."""
-    files = [f for i, uri in enumerate(cfg.ingest.inputs) for f in _expand(uri, f"ingest.inputs[{i}]")]
-    fingerprint = storage.version_hash(*[_fingerprint(f) for f in files])
     return storage.version_hash("ingest", versioned(cfg.ingest), cfg.verifier.path, cfg.verifier.trust_remote_code,
-                                fingerprint)
+                                inputs_fingerprint(cfg))
+
+
+def inputs_fingerprint(cfg: Config) -> str:
+    """Path, size and modification time of every input file (builtin inputs: their content)."""
+    files = [f for i, uri in enumerate(cfg.ingest.inputs) for f in _expand(uri, f"ingest.inputs[{i}]")]
+    return storage.version_hash(*[_fingerprint(f) for f in files])
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -57,7 +61,8 @@ def run(cfg: Config) -> dict[str, Any]:
     verifier_path = verifier_dir(cfg)
     _check_tokenizer(verifier_path, cfg.verifier.trust_remote_code)
     return stage.run(cfg, "ingest", version(cfg), lambda out: _ingest(cfg, inputs, verifier_path, out),
-                     inputs={"files": ",".join(cfg.ingest.inputs), "verifier": verifier_path})
+                     inputs={"files": ",".join(cfg.ingest.inputs), "verifier": verifier_path},
+                     input_fingerprint=inputs_fingerprint(cfg))
 
 
 def _ingest(cfg: Config, inputs: list[list[formats.InputFile]], verifier_path: str, out_dir: str) -> dict[str, Any]:
