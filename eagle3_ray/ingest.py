@@ -283,7 +283,7 @@ def _summary(conversations: pa.Table, rejects: pa.Table, num_duplicates: int, me
     num_rejected = rejects.num_rows
     rows_in = conversations.num_rows + num_rejected + num_duplicates
     return {
-        "stage": "ingest", "rows_in": rows_in, "rows_ok": conversations.num_rows, "rows_rejected": num_rejected,
+        "rows_in": rows_in, "rows_ok": conversations.num_rows, "rows_rejected": num_rejected,
         "duplicates": num_duplicates, "rejects_by_reason": dict(Counter(rejects["reason"].to_pylist())),
         "num_user_turns": pc.sum(conversations["num_turns"]).as_py() or 0,
         "num_prompt_tokens": pc.sum(conversations["num_prompt_tokens"]).as_py() or 0,
