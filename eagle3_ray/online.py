@@ -42,20 +42,19 @@ def version(cfg: Config) -> str:
 
 def build_dataset(cfg: Config, units: list, verifier_path: str, layer_ids: list[int], out_dir: str,
                   cache_dir: str | None, created_pgs: list):
-    """The lazy stream of captured samples; nothing runs until a train worker iterates its shard."""
+    """The lazy stream of captured samples; nothing runs until a train worker iterates its shard. The engine pool
+    is the generate stage's (generate.engine_pool_args: many units in flight per actor)."""
     import ray
 
-    from eagle3_ray.generate import placement_args
+    from eagle3_ray.generate import engine_pool_args
     from eagle3_ray.online_engine import StreamEngine
 
-    gen = cfg.generate
-    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples)} for u in units]
+    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens}
+             for u in units]
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        StreamEngine, batch_size=1,
-        compute=ray.data.ActorPoolStrategy(min_size=gen.num_replicas, max_size=gen.max_replicas or gen.num_replicas),
-        fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "verifier_path": verifier_path, "layer_ids": layer_ids,
-                               "out_dir": out_dir, "cache_dir": cache_dir},
-        **placement_args(cfg, created_pgs))
+        StreamEngine, fn_constructor_kwargs={"cfg_dict": cfg.to_dict(), "verifier_path": verifier_path,
+                                             "layer_ids": layer_ids, "out_dir": out_dir, "cache_dir": cache_dir},
+        **engine_pool_args(cfg, created_pgs))
 
 
 class StreamDataConfig(DataConfig):

@@ -230,6 +230,7 @@ def run_job(head: RayHead, submission_id: str, entrypoint: list[str], run_dir: P
 RECIPE = "ray_jobs/configs/tiny_cpu.yaml"
 # Lean: few prompts, short responses, small token budgets (several generate units), one epoch, short evaluation.
 LEAN = ["ingest.max_rows=12", "generate.max_tokens=24", "generate.max_batch_tokens=256", "train.epochs=1",
+        "train.log_every_steps=1",
         "evaluate.num_prompts=4", "evaluate.max_tokens=16", "evaluate.concurrency=[1]",
         # vLLM's default CPU memory check fails on a shared machine: a fixed KV cache, no compile.
         "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}"]
