@@ -66,6 +66,11 @@ def test_gate_fails_a_drafter_that_changes_a_greedy_output_one_request_at_a_time
             r.update(num_mismatched_outputs=1, mismatches=[{"prompt": 2, "first_diff_token": 5}])
     verdict = gate(rows, cfg)
     assert not verdict["passed"] and any("c=1: 1 greedy output(s) differ" in m for m in verdict["misses"])
+    for r in rows:
+        r["num_baseline_batch_mismatches"] = 0
+    assert any("batch-invariant here, so this points at speculation" in m for m in gate(rows, cfg)["misses"])
+    rows[0]["num_baseline_batch_mismatches"] = 2
+    assert any("not batch-invariant" in m for m in gate(rows, cfg)["misses"])
 
 
 def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, tmp_path_factory, tiny_llama):
