@@ -177,9 +177,14 @@ class ShardDataset(Dataset):
     drops and counts in the batch's `error_records`."""
 
     def __init__(self, refs: list[SampleRef], num_aux: int, *, dtype: torch.dtype = torch.float32,
-                 on_bad_sample: str = "fail"):
+                 on_bad_sample: str = "fail", layer_ids: list[int] | None = None, max_zero_row_share: float = 0.5,
+                 max_nonfinite_values: int = 0):
+        """`layer_ids` (capture.json's) name layers in errors; the bounds are the generate stage's capture checks
+        (generate.max_zero_row_share, max_nonfinite_values), applied again as samples are read."""
         self.refs = refs
         self.num_aux = num_aux
+        self.layer_ids = layer_ids or list(range(num_aux + 1))
+        self.bounds = {"max_zero_row_share": max_zero_row_share, "max_nonfinite_values": max_nonfinite_values}
         self.dtype = dtype
         self.on_bad_sample = on_bad_sample
         self.approx_lengths = [r.num_tokens for r in refs]
@@ -215,8 +220,9 @@ class ShardDataset(Dataset):
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")
         # straight to the training dtype: bf16 shards train in bf16 on GPU without a float32 round trip
         hs = shards.dequantize_fp8(hs, scale, self.dtype) if scale is not None else hs.to(self.dtype)
-        if not torch.isfinite(hs).all():
-            raise BadSampleError(f"{where}: hidden states hold non-finite values")
+        problem = shards.capture_problem(shards.capture_stats(hs), ref.num_tokens, self.layer_ids, **self.bounds)
+        if problem:  # the generate stage's own check, again: shards may come from elsewhere or an older run
+            raise BadSampleError(f"{where}: hidden states fail the capture check: {problem}")
         return hs
 
 

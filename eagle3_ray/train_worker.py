@@ -78,7 +78,9 @@ def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int):
     num_workers = cfg.train.num_loader_workers
     num_workers = default_loader_workers(cfg.train.use_gpu) if num_workers is None else num_workers
     for part, workers in ((args.train_refs, num_workers), (args.val_refs, 0)):
-        ds = data.ShardDataset(part, num_aux, dtype=dtype, on_bad_sample=cfg.train.on_bad_sample)
+        ds = data.ShardDataset(part, num_aux, dtype=dtype, on_bad_sample=cfg.train.on_bad_sample,
+                               layer_ids=args.capture["layer_ids"], max_zero_row_share=cfg.generate.max_zero_row_share,
+                               max_nonfinite_values=cfg.generate.max_nonfinite_values)
         loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
                                         world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers,
                                         pin_memory=cfg.train.use_gpu))

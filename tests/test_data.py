@@ -104,12 +104,26 @@ def test_non_finite_hidden_states_fail_or_are_skipped_and_counted(gen_copy):
     tensors[f"{ref.key}.hs"] = tensors[f"{ref.key}.hs"].clone()
     tensors[f"{ref.key}.hs"][3, 1, 7] = float("nan")
     shards.write_shard(ref.shard_path, tensors)
-    with pytest.raises(data.BadSampleError, match=rf"{ref.shard_path} key {ref.key}.*non-finite"):
-        data.ShardDataset(refs, num_aux=3, on_bad_sample="fail")[0]
+    with pytest.raises(data.BadSampleError, match=rf"{ref.shard_path} key {ref.key}.*layer 3: 1 non-finite values"):
+        data.ShardDataset(refs, num_aux=3, layer_ids=[1, 3, 4, 6], on_bad_sample="fail")[0]
     skipping = data.ShardDataset(refs, num_aux=3, on_bad_sample="skip")
     loader = data.make_loader(skipping, total_seq_len=4096, hidden_size=256, world_size=1, rank=0, seed=0,
                               num_workers=0)
     assert sum(b["error_records"] for b in loader) == 1
+
+
+def test_a_sample_with_all_zero_rows_in_a_layer_fails_on_load_naming_shard_and_layer(gen_copy):
+    refs, _ = _refs(gen_copy)
+    ref = refs[0]
+    tensors = shards.load_shard(ref.shard_path)
+    hs = tensors[f"{ref.key}.hs"].clone()
+    hs[:, 2] = 0  # what vLLM's wrong hidden-state slot mapping hands out: a layer of zeros
+    tensors[f"{ref.key}.hs"] = hs
+    shards.write_shard(ref.shard_path, tensors)
+    ds = data.ShardDataset(refs, num_aux=3, layer_ids=[1, 3, 4, 6], on_bad_sample="fail")
+    with pytest.raises(data.BadSampleError, match=rf"{ref.shard_path} key {ref.key}.*layer 4: {ref.num_tokens} of "
+                                                  rf"{ref.num_tokens} token rows are all zero"):
+        ds[0]
 
 
 def test_aux_layer_mismatch_is_an_error_before_training(gen_dir):
