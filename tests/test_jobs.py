@@ -50,11 +50,13 @@ def test_dashboard_train_view_lists_the_training_run(ray_head, pipeline_job):
 def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_head):
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
-    # One sample per generate unit (each unit commits on its own), two units in flight (the engine keeps more than
-    # one unit busy, so the stop lands with units half done), all 200 builtin prompts: the job is far from done when
-    # the first unit commits even on a fast machine (CI once finished 40 units in the seconds `ray job stop` took).
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=200", "generate.max_batch_tokens=96",
-                                     "generate.units_in_flight=2", "--stages", "ingest,generate")
+    # One sample per generate unit (each unit commits on its own), two units in flight (the stop lands with a unit
+    # half done), all 200 builtin prompts with 96-token answers: the job is far from done when the first unit
+    # commits even on a fast machine (with 32 units in flight and 24-token answers all 200 finished before the stop
+    # landed; CI once finished 40 sequential units in the seconds `ray job stop` took).
+    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=200", "generate.max_batch_tokens=160",
+                                     "generate.max_tokens=96", "generate.units_in_flight=2",
+                                     "--stages", "ingest,generate")
     ray_head.submit("eagle3-stop-1", *entrypoint)
     deadline = time.monotonic() + 600
     while not list(run_dir.glob("generate/*/parts/*.parquet")):
