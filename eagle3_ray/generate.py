@@ -232,11 +232,13 @@ class _Progress:
         self.rejected += len(rows) - len(ok)
         self.tokens += tokens
         self.bytes += nbytes
-        for name, value in (("samples_total", len(ok)), ("captured_tokens_total", tokens), ("shard_bytes_total", nbytes)):
+        counts = (("samples_total", len(ok)), ("captured_tokens_total", tokens), ("shard_bytes_total", nbytes))
+        for name, value in counts:
             if value > 0:  # Ray counters reject non-positive increments
                 telemetry.metrics.counter(name, f"generate: {name}").inc(value, tags=self.tags)
-        telemetry.log(STAGE, "progress", engine=self.kind, samples=f"{self.done}/{self.num_samples}", rejected=self.rejected,
-                      tokens=self.tokens, tokens_per_s=self.meter.per_s(self.tokens), bytes_written=self.bytes)
+        telemetry.log(STAGE, "progress", engine=self.kind, samples=f"{self.done}/{self.num_samples}",
+                      rejected=self.rejected, tokens=self.tokens, tokens_per_s=self.meter.per_s(self.tokens),
+                      bytes_written=self.bytes)
 
     def totals(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "bytes": self.bytes, "samples": self.done, "rejected": self.rejected,

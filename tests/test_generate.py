@@ -217,7 +217,8 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
         infos = list(Path(out, "engines").glob("*.json")) if Path(out, "engines").exists() else []
         if infos and list(Path(out, "parts").glob("*.parquet")):
             pids = storage.read_json(str(infos[0]))["engine_pids"]
-            return next(p for p in pids if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name())
+            return next(p for p in pids
+                        if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name())
         time.sleep(0.1)
     raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
 
