@@ -51,10 +51,10 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
     # One sample per generate unit (each unit commits on its own), two units in flight (the stop lands with a unit
-    # half done), all 200 builtin prompts with 96-token answers: the job is far from done when the first unit
+    # half done), 120 builtin prompts with 96-token answers: the job is far from done when the first unit
     # commits even on a fast machine (with 32 units in flight and 24-token answers all 200 finished before the stop
     # landed; CI once finished 40 sequential units in the seconds `ray job stop` took).
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=200", "generate.max_batch_tokens=160",
+    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=120", "generate.max_batch_tokens=160",
                                      "generate.max_tokens=96", "generate.units_in_flight=2",
                                      "--stages", "ingest,generate")
     ray_head.submit("eagle3-stop-1", *entrypoint)
