@@ -24,6 +24,8 @@ from typing import Any
 
 from eagle3_ray import contract, report, stage, storage, tiny_verifier
 from eagle3_ray.config import Config, config_from_dict, versioned
+from eagle3_ray.ingest_formats import conversation_id
+from eagle3_ray.prompts import tiny_prompts
 from eagle3_ray.telemetry import log
 
 STAGE = "evaluate"
@@ -112,11 +114,7 @@ def local_engine_args(engine_args: dict[str, Any], cfg: Config) -> tuple[dict[st
 def load_prompts(cfg: Config) -> list[dict[str, Any]]:
     """Held-out conversations `{"id", "messages"}`: `evaluate.prompts` (JSONL or Parquet with `messages` or
     `prompt`) or the builtin eval split; the first `evaluate.num_prompts`, prompt turns only."""
-    from eagle3_ray.ingest_formats import conversation_id
-
     if cfg.evaluate.prompts is None:
-        from eagle3_ray.prompts import tiny_prompts
-
         rows = tiny_prompts(split="eval", seed=cfg.run.seed)
         where = "builtin:tiny_prompts(split=eval)"
     else:
@@ -282,7 +280,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def _measure(cfg: Config, export_dir: str, prompts: list[dict[str, Any]], held_out: dict[str, Any],
              out_dir: str) -> dict[str, Any]:
-    from eagle3_ray.raycluster import ensure_ray
+    from eagle3_ray.raycluster import ensure_ray  # imports ray: only where engines start (ray reads auth at import)
 
     ensure_ray(cfg.run)
     capture_where = storage.join(export_dir, "capture.json")

@@ -29,6 +29,11 @@ from ray.train import DataConfig
 
 from eagle3_ray import chat, data, stage, storage, vocab
 from eagle3_ray.config import Config, versioned
+from eagle3_ray.generate import chat_encoder, engine_pool_args, plan_units, sample_cost
+from eagle3_ray.generate_output import capture_contract
+from eagle3_ray.online_engine import StreamEngine
+from eagle3_ray.tiny_verifier import verifier_dir
+from eagle3_ray.train_worker import WorkerArgs
 from eagle3_ray.telemetry import log
 
 STAGE = "train"
@@ -45,9 +50,6 @@ def build_dataset(cfg: Config, units: list, verifier_path: str, layer_ids: list[
     """The lazy stream of captured samples; nothing runs until a train worker iterates its shard. The engine pool
     is the generate stage's (generate.engine_pool_args: many units in flight per actor)."""
     import ray
-
-    from eagle3_ray.generate import engine_pool_args
-    from eagle3_ray.online_engine import StreamEngine
 
     items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens}
              for u in units]
@@ -111,8 +113,6 @@ def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
 
 def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
     """(rows, units, plan rejects, token costs) of the conversations this run trains on."""
-    from eagle3_ray.generate import chat_encoder, plan_units, sample_cost
-
     rows = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
     encoder = chat_encoder(verifier_path, cfg)
@@ -134,10 +134,6 @@ def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], cfg: Confi
 def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
     """The online data source of the train stage: (worker args, the lazy capture stream, split). Plans the units,
     writes the capture contract, split and draft vocabulary; `created_pgs` collects the engines' placement groups."""
-    from eagle3_ray.generate_output import capture_contract
-    from eagle3_ray.tiny_verifier import verifier_dir
-    from eagle3_ray.train_worker import WorkerArgs
-
     verifier_path = verifier_dir(cfg)
     capture = capture_contract(cfg, verifier_path)
     rows, units, rejects, costs, encoder = _plan(cfg, ingest_dir, verifier_path)

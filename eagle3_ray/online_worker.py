@@ -26,6 +26,7 @@ from speculators.train.data import CollateFn
 from speculators.train.recovery import SampleUnavailable
 
 from eagle3_ray import acceptance, data, shards, storage
+from eagle3_ray.generate_output import committed_samples
 from eagle3_ray.online_engine import from_row
 from eagle3_ray.telemetry import log
 from eagle3_ray.train_worker import (Loop, MetricSums, WorkerArgs, collective_device, make_loaders, metric_tensors,
@@ -182,8 +183,6 @@ class OnlineLoop(Loop):
 def finalise_cache(cache_dir: str) -> int:
     """manifest.parquet + conversations.parquet of the cache from its committed parts (generate's layout)."""
     import pyarrow.compute as pc
-
-    from eagle3_ray.generate_output import committed_samples
 
     parts = committed_samples(cache_dir)
     ok = parts.filter(pc.equal(parts["status"], "ok"))

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from eagle3_ray import storage
+
 PREFIX = "eagle3_"
 
 
@@ -42,8 +44,6 @@ class JsonlWriter:
     `flush()`, starting from what an earlier incarnation of the run wrote."""
 
     def __init__(self, uri: str, flush_every_s: float = 30.0):
-        from eagle3_ray import storage
-
         self.uri, self.flush_every_s = uri, flush_every_s
         self.local = storage.local_path(uri) if storage.is_local(uri) else None
         self.lines: list[str] = []
@@ -63,16 +63,12 @@ class JsonlWriter:
 
     def flush(self) -> None:
         if self.local is None:
-            from eagle3_ray import storage
-
             storage.write_bytes_atomic(self.uri, "".join(self.lines).encode())
             self.flushed_at = time.monotonic()
 
 
 def read_jsonl(uri: str) -> list[dict[str, Any]]:
     """The records of a JsonlWriter file; [] when there is none."""
-    from eagle3_ray import storage
-
     if not storage.exists(uri):
         return []
     return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]

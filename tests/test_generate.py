@@ -223,6 +223,14 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
     raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
 
 
+def _start_stage_job(cfg) -> subprocess.Popen:
+    """The generate stage as its own process (its own session, so a kill takes its Ray workers with it)."""
+    code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
+            f"run(config_from_dict({cfg.to_dict()!r}))")
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _out_dir_while_running(cfg) -> str:
     from eagle3_ray import stage
 
@@ -250,10 +258,7 @@ def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(
     cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
     table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
-    code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
-            f"run(config_from_dict({cfg.to_dict()!r}))")
-    job = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = _start_stage_job(cfg)
     try:
         _engine_core_pid(out)
     finally:
@@ -380,10 +385,7 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly
     cfg = make_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
     table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
-    code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
-            f"run(config_from_dict({cfg.to_dict()!r}))")
-    job = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = _start_stage_job(cfg)
     try:
         deadline = time.monotonic() + 400
         while not list(Path(out, "generated").glob("*.parquet")) and time.monotonic() < deadline:
