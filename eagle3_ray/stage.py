@@ -46,10 +46,6 @@ def input_dir(cfg: Config, name: str) -> str:
                             f"{hint}; run the {name} stage with the same config first")
 
 
-def is_finished(cfg: Config, name: str) -> bool:
-    return storage.is_complete(output_dir(cfg, name))
-
-
 def run(cfg: Config, name: str, version: str, body: Callable[[str], dict[str, Any]], *,
         inputs: dict[str, str] | None = None, input_fingerprint: str | None = None) -> dict[str, Any]:
     """Run `body(out_dir) -> summary` unless `version` is finished; then write summary.json, provenance.json,
