@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -94,6 +95,9 @@ class Conversation:
         self.prompt: list[int] = []
         self.capture_path: str | None = None
         self.discarded: list[str] = []
+        # commit.CaptureWriter: the final capture read, as (stats, encoded) or the error reading it raised
+        self.prepared: tuple | BaseException | None = None
+        self.prepare_lock = threading.Lock()
 
     def start(self):
         if self.sample.get("status") == "rejected":  # two_pass: rejected by the first pass

@@ -1,29 +1,28 @@
-"""Commits off the engine's path: one writer thread per engine actor reads a finished unit's captures, checks and
-encodes them (bf16/fp8) and hands them to the unit's sink, while the engine goes on with other units.
+"""Commits off the engine's path: writer threads of the engine actor read each finished conversation's capture as
+soon as it finishes (stats, bf16/fp8 encoding), and when its unit is done hand the unit to its sink, while the engine
+goes on with other requests.
 
-    engine loop (unit done) --CaptureWriter.commit--> writer thread: read scratch file -> check -> encode -> sink
+    engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
+    engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
     ShardSink       shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
     GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
     (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
 
-The writer's queue is bounded (2 x generate.units_in_flight jobs: commits, each unit waiting for its own, and
-earlier turns' captures to delete); when it is full the caller, the engine loop included, waits: the writer fell
-behind, logged as `backpressure`. The bytes behind the queue are bounded by engine_loop.ByteBudget.
+What waits for the writers is bounded in bytes by engine_loop.ByteBudget: a unit starts only when its capture bytes
+fit the budget (else it waits, logged as `backpressure`: the writers fell behind).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
-import time
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from eagle3_ray import chat, shards, storage, telemetry
+from eagle3_ray import chat, shards, storage
 from eagle3_ray.config import Config
 
 STATS_FIELDS = [("hs_zero_rows", pa.list_(pa.int32())), ("hs_nonfinite", pa.list_(pa.int64())),
@@ -61,34 +60,36 @@ def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: li
 
 
 class CaptureWriter:
-    """The actor's writer thread. `commit` is called on the actor's event loop and returns a future of the sink's
-    result; `discard` (any thread) deletes an earlier turn's capture file once vLLM has finished writing it."""
+    """The actor's writer threads (`generate.writer_threads`), all taking jobs from one queue:
 
-    def __init__(self, dtype: str, max_jobs: int):
+        prepare(conv)   a finished conversation's capture: read the scratch file, stats, encode. Queued by the engine
+                        loop the moment the conversation finishes, so the work runs while the engine decodes the rest
+        commit(...)     the unit's remaining prepares (done here if no thread has taken them yet), then the sink's
+                        write; units commit side by side on different threads. Returns a future on the caller's loop
+        discard(paths)  delete an earlier turn's capture once vLLM has finished writing it
+
+    The queue is not bounded by a job count: what it holds is bounded in bytes by the actor's ByteBudget (a unit's
+    capture bytes are acquired before its first request and released after its commit)."""
+
+    def __init__(self, dtype: str, num_threads: int):
         self.dtype = dtype
-        self.jobs: queue.Queue = queue.Queue(maxsize=max_jobs)
-        threading.Thread(target=self._run, name="capture-writer", daemon=True).start()
+        self.jobs: queue.Queue = queue.Queue()
+        for i in range(num_threads):
+            threading.Thread(target=self._run, name=f"capture-writer-{i}", daemon=True).start()
 
     def discard(self, paths: list[str]) -> None:
         if paths:
-            self._put(("discard", paths))
+            self.jobs.put(("discard", paths))
+
+    def prepare(self, conv: Any) -> None:
+        """Any thread (the engine loop calls it when a conversation finishes)."""
+        if conv.capture_path and conv.record["status"] == "ok":
+            self.jobs.put(("prepare", conv))
 
     def commit(self, unit_id: str, convs: list, sink: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        self._put(("commit", (unit_id, convs, sink, future)))
+        self.jobs.put(("commit", (unit_id, convs, sink, future)))
         return future
-
-    def _put(self, job: tuple) -> None:
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            start = time.monotonic()
-            self.jobs.put(job)
-            waited_s = round(time.monotonic() - start, 3)
-            telemetry.log("generate", "backpressure", pid=os.getpid(), writer_queue_full_s=waited_s)
-
-    def pending(self) -> int:
-        return self.jobs.qsize()
 
     def _run(self) -> None:
         while True:
@@ -96,24 +97,43 @@ class CaptureWriter:
             if kind == "discard":
                 for path in job:
                     chat.discard_capture(path)
-                continue
-            unit_id, convs, sink, future = job
-            try:
-                result = sink.write(unit_id, *self._read(convs))
-            except BaseException as e:  # the unit fails with it; the actor and its engine go on
-                future.get_loop().call_soon_threadsafe(_set, future, None, e)
+            elif kind == "prepare":
+                self._prepare(job)
             else:
-                future.get_loop().call_soon_threadsafe(_set, future, result, None)
+                self._commit(*job)
+
+    def _commit(self, unit_id: str, convs: list, sink: Any, future: asyncio.Future) -> None:
+        try:
+            result = sink.write(unit_id, *self._read(convs))
+        except BaseException as e:  # the unit fails with it; the actor and its engine go on
+            future.get_loop().call_soon_threadsafe(_set, future, None, e)
+        else:
+            future.get_loop().call_soon_threadsafe(_set, future, result, None)
+
+    def _prepare(self, conv: Any) -> None:
+        """Once per conversation, whichever thread comes first; a second caller waits for the first to finish.
+        A failure is kept and raised by the unit's commit."""
+        with conv.prepare_lock:
+            if conv.prepared is not None:
+                return
+            r = conv.record
+            try:
+                hs = chat.load_capture(r, conv.capture_path)  # shape: [T, L, H]
+                r["num_tokens"] = hs.shape[0]
+                conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
+            except BaseException as e:
+                conv.prepared = e
 
     def _read(self, convs: list) -> tuple[list[dict], dict[str, dict], dict[str, dict]]:
         """records; encoded tensors and capture stats by sample id (ok samples of a capture engine only)."""
         records, encoded, stats = [c.record for c in convs], {}, {}
         for c in convs:
-            r = c.record
-            if r["status"] == "ok" and c.capture_path:
-                hs = chat.load_capture(r, c.capture_path)  # shape: [T, L, H]
-                stats[r["id"]], encoded[r["id"]] = shards.capture_stats(hs), encode(r["id"], hs, self.dtype)
-                r["num_tokens"] = hs.shape[0]
+            if c.record["status"] == "ok" and c.capture_path:
+                self._prepare(c)
+                if isinstance(c.prepared, BaseException):
+                    raise c.prepared
+                stats[c.record["id"]], encoded[c.record["id"]] = c.prepared
+                c.prepared = ()  # the sink holds the tensors now; the conversation lets go of them
         return records, encoded, stats
 
 

@@ -127,9 +127,13 @@ class GenerateConfig:
     """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
     continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
     capture_buffer_bytes: int = field(default=4 << 30, metadata=NOT_IN_VERSION)
-    """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus the
-    writer's queue), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to start
-    while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
+    """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus what
+    the writers have read), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to
+    start while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
+    writer_threads: int = field(default=4, metadata=NOT_IN_VERSION)
+    """Writer threads per replica: they read, check and encode each finished conversation's capture while the engine
+    decodes the others, and commit units side by side (shard writes, part files). Their torch work and file writes
+    release the GIL; the replica's CPUs (`num_cpus_per_replica`) are what they share with vLLM's front end."""
     scratch_dir: str = field(default="auto", metadata=NOT_IN_VERSION)
     """Where vLLM's connector writes per-request captures until the writer reads them: `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
@@ -184,6 +188,7 @@ class GenerateConfig:
         _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")
         _check(self.units_in_flight >= 1, "generate.units_in_flight", "must be >= 1")
         _check(self.capture_buffer_bytes > 0, "generate.capture_buffer_bytes", "must be > 0")
+        _check(self.writer_threads >= 1, "generate.writer_threads", "must be >= 1")
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
         _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
         _check(self.two_pass_min_output_ratio > 0, "generate.two_pass_min_output_ratio", "must be > 0")

@@ -3,7 +3,9 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
 
     Ray Data (async actor, max_concurrency = units_in_flight) --unit--> EngineActor.__call__ (a coroutine per unit)
         -> chat.Conversation per sample -> engine_loop.RequestLoop (one thread: add_request/step, continuous batching)
-        -> all of a unit's requests finished -> commit.CaptureWriter (thread) -> sink (shards + part, or stream rows)
+        -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
+        -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
+           or stream rows)
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
@@ -149,7 +151,7 @@ class EngineActor:
         self.sink = self.make_sink()
         self.bytes_per_token = self._bytes_per_token(verifier_path) if kind != "plain" else 0
         self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
-        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, 2 * self.cfg.generate.units_in_flight)
+        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
         self.requests = RequestLoop(self.llm.llm_engine)
         engine_procs = self._record_pids()
         threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
@@ -219,6 +221,7 @@ class EngineActor:
         def advance(conv: chat.Conversation, request) -> list:
             if request is not None:
                 return [(*request, lambda out: step(conv, out))]
+            self.writer.prepare(conv)
             left[0] -= 1
             if left[0] == 0:
                 loop.call_soon_threadsafe(_resolve, future, convs, None)

@@ -17,6 +17,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 from eagle3_ray import storage
 
@@ -101,7 +102,12 @@ def greedy_groups(sizes: list[int], budget: int) -> list[list[int]]:
 
 
 def write_shard(uri: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
-    """Write one shard atomically; returns its size in bytes."""
+    """Write one shard atomically; returns its size in bytes. A local shard is written by safetensors straight into
+    its temp file (no serialized copy of the whole shard in memory); an object-store shard is uploaded whole."""
+    if storage.is_local(uri):
+        with storage.atomic_local_file(uri) as tmp:
+            save_file(tensors, tmp, metadata=metadata)
+        return os.path.getsize(storage.local_path(uri))
     data = st_save(tensors, metadata=metadata)
     storage.write_bytes_atomic(uri, data)
     return len(data)

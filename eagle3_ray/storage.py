@@ -7,6 +7,7 @@ directory rename). Provenance (config, package versions, git revision, input fin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -108,6 +109,21 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     with fs.open_output_stream(tmp) as f:
         f.write(data)
     fs.move(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_local_file(uri: str):
+    """A temp path next to a local `uri` for the caller to write; moved into place when the block ends without an
+    error (removed otherwise), like write_bytes_atomic."""
+    path = local_path(uri)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def write_json_atomic(uri: str, obj: Any) -> None:
