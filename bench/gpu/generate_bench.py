@@ -7,7 +7,8 @@ Prompts: the first turn (system + user) of `tiny_prompts` (the 200 builtin promp
 path generates exactly `out_len` tokens per prompt. Each measurement runs in a fresh process (one engine alive at a
 time) and prints one `RESULT {json}` line:
   plain           vllm.LLM.generate, all prompts in one call, no capture
-  capture         the same engine + extract_hidden_states + the project's connector (include_output_tokens), one call
+  capture         the same engine + extract_hidden_states + the project's connector (include_output_tokens), one call,
+                  its per-request files where the stage's go (engine.scratch_dir: /dev/shm when it has room)
   prefill         connector-level capture of the plain run's finished sequences (max_tokens=1): what capture_only wraps
   stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
 Rates exclude engine start (reported apart): engine rows time the generate() call (and the capture files being
@@ -45,6 +46,7 @@ def make_cfg(args, work: str, mode: str, out_len: int):
                      "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
                      "num_cpus_per_replica": args.num_cpus_per_replica,
                      "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
+                     "writer_threads": args.writer_threads,
                      "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": 1 << 30}})
 
 
@@ -67,13 +69,12 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     """plain / capture / prefill through vllm.LLM with the stage's own engine arguments."""
     from vllm import LLM, SamplingParams
 
-    from eagle3_ray.engine import engine_kwargs
+    from eagle3_ray.engine import engine_kwargs, scratch_dir
     from eagle3_ray.generate_output import capture_contract
 
     cfg = make_cfg(args, args.work, "generate", out_len)
     contract = capture_contract(cfg, args.model)
-    scratch = os.path.join(args.work, "scratch", mode)
-    shutil.rmtree(scratch, ignore_errors=True)
+    scratch = scratch_dir(cfg, f"bench-{mode}")  # where the stage's engine writes: /dev/shm when it has room
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=mode != "plain"))
     start_s = time.perf_counter() - t0
@@ -97,6 +98,7 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     shutil.rmtree(scratch, ignore_errors=True)
     prompt_tokens = sum(len(p) for p in prompts)
     return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "wall_s": wall_s,
+            "scratch_dirs": [os.path.dirname(scratch)],
             "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
             "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s}
 
@@ -137,9 +139,20 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
     return {"mode": f"stage_{mode}", "out_len": out_len, "wall_s": wall_s, "total_wall_s": summary["run_wall_s"],
             "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines], "prompt_tokens": prompt_tokens,
+            "scratch_dirs": sorted({os.path.dirname(e["scratch"]) for e in engines}),
+            "units": unit_timings(out), "writer_threads": cfg.generate.writer_threads,
             "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
             "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
             "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats")}
+
+
+def unit_timings(out: str) -> list[dict]:
+    """Per unit: samples and when its part file landed, relative to the first engine ready (what the bench's wall
+    spans), so a tail of commits after generation shows."""
+    engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
+    ready = min(e["ready_time"] for e in engines)
+    return sorted(({"unit": Path(p).stem, "committed_s": round(os.path.getmtime(p) - ready, 3)}
+                   for p in glob.glob(f"{out}/parts/*.parquet")), key=lambda u: u["committed_s"])
 
 
 def generate_table(out: str) -> dict:
@@ -175,13 +188,20 @@ def write_ingest(cfg, args, mode: str, out_len: int) -> None:
 def run_child(args, mode: str, out_len: int) -> dict:
     """One measurement in a fresh process; its last `RESULT {json}` line is the answer."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}:{out_len}"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if args.out:  # the child's whole log (engine, Ray Data, the stage's unit_committed lines) beside the results
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).with_name(f"generate_bench-{mode}-{out_len}.log").write_text(proc.stdout)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not results:
+    result = results[-1] if proc.returncode == 0 and results else \
+        {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
+    if "error" in result:
         sys.stdout.write(proc.stdout[-5000:])
-        return {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
-    print("RESULT " + json.dumps(results[-1]), flush=True)
-    return results[-1]
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.out:  # one line per measurement as it ends: a call cut short keeps what it measured
+        with Path(args.out).with_suffix(".jsonl").open("a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
 
 
 def ratios(results: list[dict], out_len: int) -> dict:
@@ -227,6 +247,7 @@ def parse_args():
     p.add_argument("--units-in-flight", type=int, default=64)
     p.add_argument("--capture-buffer-bytes", type=int, default=None, help="default 48 GiB on GPU, 2 GiB on CPU")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
     p.add_argument("--num-cpus-per-replica", type=float, default=None,
                    help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
