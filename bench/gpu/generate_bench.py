@@ -135,6 +135,8 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     else:
         wall_s = last_commit - min(ready.values())
     conv = generate_table(out)
+    if args.drop_shards:  # long outputs: 200 x 2048 tokens of an 8B model are ~14 GB of shards per measurement
+        shutil.rmtree(f"{out}/shards", ignore_errors=True)
     out_tokens = sum(conv["num_response_tokens"]) if mode != "capture_only" else 0
     prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
     return {"mode": f"stage_{mode}", "out_len": out_len, "wall_s": wall_s, "total_wall_s": summary["run_wall_s"],
@@ -247,6 +249,7 @@ def parse_args():
     p.add_argument("--units-in-flight", type=int, default=64)
     p.add_argument("--capture-buffer-bytes", type=int, default=None, help="default 48 GiB on GPU, 2 GiB on CPU")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--drop-shards", action="store_true", help="delete each stage run's shards once measured (disk)")
     p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
     p.add_argument("--num-cpus-per-replica", type=float, default=None,
