@@ -1,5 +1,5 @@
-"""Training data for the drafter: the generate stage's shards read lazily, one sample at a time, and packed with
-speculators' sampler and collate function. Pure torch + safetensors + pyarrow tables; no Ray, no vLLM.
+"""Training data for the drafter: the generate stage's shards read lazily, one sample at a time, packed with
+speculators' sampler into the batches its collate function builds. Pure torch + safetensors + pyarrow; no Ray, no vLLM.
 
 A sample as stored (docs/stages.md, generate): hidden states [T, L, H] for input_ids[:T], L = aux layers + final.
 A sample as read here (speculators' BaseDataset layout, before its `shift_batch`):
@@ -16,12 +16,20 @@ A sample as read here (speculators' BaseDataset layout, before its `shift_batch`
 
 so the drafter sees the verifier state after x_i plus the embedding of x_(i+1), and learns the verifier's
 distribution for x_(i+2) (lm_head(norm(y_(i+1)))).
+
+Hidden states travel in their stored ("wire") dtype, bf16 or fp8 with exponents in `{key}_exp` ([T, A] and [T, 1]),
+from the shard to the training device; `decode` turns them into the training dtype there (on the GPU after the copy),
+so a loader worker moves the stored bytes once and never converts them. Per 8192-token batch of an 8B verifier
+(hidden 4096, 4 layers: 268 MB) one worker used to spend ~300 ms on the capture check's fp32 norms, ~90 ms zeroing a
+fresh batch buffer and ~140 ms copying it into shared memory for the trip to the training process; now the check is
+two bf16 reductions (~60 ms) and the batch is written once, straight into shared memory, padding alone zeroed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import warnings
@@ -29,12 +37,12 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
 from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-from speculators.train.recovery import SampleUnavailable
+from speculators.train.recovery import RECOVERY_METADATA_KEY, RecoveryMetadata, SampleUnavailable
 
 from eagle3_ray import shards, storage
 
@@ -91,9 +99,10 @@ class BadSampleError(ValueError):
 
 class ShardReader:
     """Tensors read by byte range from safetensors shards on any storage (storage.py): a shard is opened once per
-    process and its header parsed once; a read fetches one tensor's bytes (pread on a local file, a ranged GET on an
-    object store), so a sample costs its own bytes, never the shard's. Safe across DataLoader forks: a process that
-    inherited open files from its parent reopens them."""
+    process and its header parsed once; a read is a view of one tensor's bytes in the memory-mapped file (local) or
+    fetches them (a ranged GET on an object store), so a sample costs its own bytes, never the shard's. (pyarrow's
+    read_at on a memory map returns a bytes copy: 0.6 s for 740 MB here; the mapped buffer's slice is a view.)
+    Safe across DataLoader forks: a process that inherited open files from its parent reopens them."""
 
     def __init__(self) -> None:
         self._pid = os.getpid()
@@ -117,10 +126,12 @@ class ShardReader:
         start, end = entry["data_offsets"]
         if end == start:
             return torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
-        data = f.read_at(end - start, payload + start)
+        # a slice of the mapped file's buffer is a view; read_at (any file) returns a bytes copy
+        data = f.slice(payload + start, end - start) if isinstance(f, pa.Buffer) else f.read_at(end - start,
+                                                                                                  payload + start)
         if len(data) != end - start:
             raise BadSampleError(f"{uri}: truncated at key {name} ({len(data)} of {end - start} bytes)")
-        if isinstance(f, pa.MemoryMappedFile):
+        if isinstance(f, pa.Buffer):
             with warnings.catch_warnings():  # read-only by design: nothing writes into a sample's tensors
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(memoryview(data), dtype=_DTYPES[entry["dtype"]])
@@ -145,6 +156,9 @@ def _open_shard(uri: str) -> tuple[object, dict, int, int]:
     payload_end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if size < 8 + header_len + payload_end:
         raise BadSampleError(f"{uri}: truncated ({size} bytes, header promises {8 + header_len + payload_end})")
+    if isinstance(f, pa.MemoryMappedFile):
+        f.seek(0)
+        f = f.read_buffer(size)  # the whole mapping as one zero-copy buffer, sliced per tensor
     return f, header, 8 + header_len, size
 
 
@@ -169,12 +183,54 @@ def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> di
     return problems
 
 
+HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")  # stored dtype on the wire; fp8 ones carry {key}_exp
+
+
+def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Hidden states from their wire dtype to `dtype`, computed where the tensors are (the GPU after the copy): fp8
+    [..., T, A*H] with `{key}_exp` [..., T, A] by shards.dequantize_fp8 (the `_exp` entries dropped), others cast.
+    The values are those a decode on the host gives: the same elementwise ops on the same bytes."""
+    out = {k: v for k, v in tensors.items() if not k.endswith("_exp")}
+    for key in HIDDEN_KEYS:
+        exp = tensors.get(f"{key}_exp")
+        if exp is not None:
+            q = out[key].unflatten(-1, (exp.shape[-1], -1))  # shape: [..., T, A, H]
+            out[key] = shards.dequantize_fp8(q, exp, dtype).flatten(-2)
+        elif key in out:
+            out[key] = out[key].to(dtype)
+    return out
+
+
+def bad_row_counts(hs: torch.Tensor) -> dict[str, list[int]]:
+    """`zero_rows` and `nonfinite` per layer of stored hidden states [T, L, H], the two numbers
+    shards.capture_problem reads from shards.capture_stats, from two reductions over the stored dtype (capture_stats's
+    fp32 norms cost 5x more). fp8 bits: |q| == 0 is 0x00, NaN is 0x7f (e4m3fn has no inf; the power-of-two
+    exponents neither zero nor overflow a value), so a row's maximum of the low 7 bits says both."""
+    if hs.dtype == torch.float8_e4m3fn:
+        bits = hs.view(torch.uint8)
+        row_max = torch.empty(hs.shape[:2], dtype=torch.uint8)  # shape: [T, L]
+        chunk = torch.empty((min(256, hs.shape[0]), *hs.shape[1:]), dtype=torch.uint8)  # small, reused: no faults
+        for start in range(0, hs.shape[0], chunk.shape[0]):
+            part = chunk[: min(chunk.shape[0], hs.shape[0] - start)]
+            torch.bitwise_and(bits[start:start + part.shape[0]], 0x7F, out=part)
+            torch.amax(part, dim=-1, out=row_max[start:start + part.shape[0]])
+        zero, bad = row_max == 0, row_max == 0x7F
+    else:  # amax/amin propagate NaN; +inf shows in the max, -inf in the min
+        hi, lo = hs.amax(dim=-1), hs.amin(dim=-1)  # shape: [T, L]
+        zero, bad = (hi == 0) & (lo == 0), ~(torch.isfinite(hi) & torch.isfinite(lo))
+    nonfinite = [0] * hs.shape[1]
+    if bool(bad.any()):
+        nonfinite = (~torch.isfinite(hs[bad.any(dim=1)].float())).sum(dim=(0, 2)).tolist()
+    return {"zero_rows": zero.sum(dim=0).tolist(), "nonfinite": nonfinite}
+
+
 class ShardDataset(Dataset):
     """Samples read lazily from shards (memory-mapped when local, by byte range when remote): only the samples of the
-    batches in flight are in memory.
+    batches in flight are in memory. A sample holds its hidden states as views of the stored bytes in the wire dtype
+    (the stored one, or `dtype` where that is narrower: float32 shards train in bf16 on GPU); `decode` gives `dtype`.
 
-    on_bad_sample="fail" raises BadSampleError; "skip" returns speculators' SampleUnavailable, which its CollateFn
-    drops and counts in the batch's `error_records`."""
+    on_bad_sample="fail" raises BadSampleError; "skip" returns speculators' SampleUnavailable, which the collate
+    function drops and counts in the batch's `error_records`."""
 
     def __init__(self, refs: list[SampleRef], num_aux: int, *, dtype: torch.dtype = torch.float32,
                  on_bad_sample: str = "fail", layer_ids: list[int] | None = None, max_zero_row_share: float = 0.5,
@@ -196,13 +252,13 @@ class ShardDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor] | SampleUnavailable:
         ref = self.refs[index]
         try:
-            hs = self._read(ref)  # shape: [T, A + 1, H]
+            hs, exp = self._read(ref)  # shape: [T, A + 1, H], [T, A + 1] or None
         except BadSampleError as e:
             if self.on_bad_sample == "fail":
                 raise
             return SampleUnavailable(reason=str(e))
         seq_len = ref.num_tokens
-        return {
+        sample = {
             "hidden_states": hs[:, : self.num_aux].flatten(1),   # shape: [T, A*H]
             "input_ids": torch.tensor(ref.input_ids, dtype=torch.long),  # shape: [T]
             "verifier_last_hidden_states": hs[:, self.num_aux],  # shape: [T, H]
@@ -210,33 +266,102 @@ class ShardDataset(Dataset):
             "lengths": torch.tensor([seq_len], dtype=torch.long),
             "position_ids": torch.arange(seq_len, dtype=torch.long),
         }
+        if exp is not None:
+            sample["hidden_states_exp"] = exp[:, : self.num_aux]                       # shape: [T, A]
+            sample["verifier_last_hidden_states_exp"] = exp[:, self.num_aux:]          # shape: [T, 1]
+        return sample
 
-    def _read(self, ref: SampleRef) -> torch.Tensor:
+    def _read(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor | None]:
         where = f"{ref.shard_path} key {ref.key} (sample {ref.id})"
         hs = self.reader.tensor(ref.shard_path, f"{ref.key}.hs")
-        scale = self.reader.tensor(ref.shard_path, f"{ref.key}.scale") if hs.dtype == torch.float8_e4m3fn else None
+        exp = self.reader.tensor(ref.shard_path, f"{ref.key}.scale") if hs.dtype == torch.float8_e4m3fn else None
         if hs.shape[0] != ref.num_tokens or hs.shape[1] != self.num_aux + 1:
             raise BadSampleError(f"{where}: shape {list(hs.shape)} does not match manifest num_tokens="
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")
-        # straight to the training dtype: bf16 shards train in bf16 on GPU without a float32 round trip
-        hs = shards.dequantize_fp8(hs, scale, self.dtype) if scale is not None else hs.to(self.dtype)
-        problem = shards.capture_problem(shards.capture_stats(hs), ref.num_tokens, self.layer_ids, **self.bounds)
+        if hs.dtype.itemsize > self.dtype.itemsize:
+            hs = hs.to(self.dtype)  # fewer bytes to move; the capture check then sees what training sees
+        problem = shards.capture_problem(bad_row_counts(hs), ref.num_tokens, self.layer_ids, **self.bounds)
         if problem:  # the generate stage's own check, again: shards may come from elsewhere or an older run
             raise BadSampleError(f"{where}: hidden states fail the capture check: {problem}")
-        return hs
+        return hs, exp
+
+
+def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor; in a loader worker in shared memory, so that sending the batch to the training
+    process passes a file descriptor instead of copying it (torch's sharing of a storage not yet shared copies)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+class PackedCollate:
+    """speculators' CollateFn(preprocess=shift_batch), tensor for tensor, written once: each shifted sample is
+    copied into its rows of one buffer per key ([total_seq_len, ...], shared memory in a worker), hidden states in
+    their wire dtype, only the padding zeroed; `num_tokens` (the real tokens) is counted on the host. Batches mixing
+    stored dtypes, and batches without a usable sample, are left to speculators' CollateFn on decoded samples."""
+
+    def __init__(self, total_seq_len: int, hidden_size: int, num_aux: int, dtype: torch.dtype):
+        self.total_seq_len, self.dtype = total_seq_len, dtype
+        self.reference = CollateFn(total_seq_len, hidden_size, num_target_layers=num_aux, dtype=dtype,
+                                   preprocess=shift_batch)
+
+    def __call__(self, items: list) -> dict:
+        samples = [s for s in items if isinstance(s, dict)]
+        if len({tuple((k, v.dtype) for k, v in s.items()) for s in samples}) != 1:
+            batch = self.reference([decode(s, self.dtype) if isinstance(s, dict) else s for s in items])
+            return {**batch, "num_tokens": int((batch["document_ids"] != -1).sum())}
+        shifted = [_shift(s) for s in samples]
+        rows, filled = [], 0  # rows each sample fills; the last one is cut at total_seq_len, later ones dropped
+        for s in shifted:
+            rows.append(min(s["input_ids"].shape[0], self.total_seq_len - filled))
+            filled += rows[-1]
+            if filled == self.total_seq_len:
+                break
+        batch = {key: self._pack([s[key] for s in shifted], rows) for key in shifted[0]}
+        document_ids = torch.full((self.total_seq_len,), -1, dtype=torch.long)
+        document_ids[:filled] = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+        batch["document_ids"] = document_ids.unsqueeze(0)  # shape: [1, total_seq_len]
+        batch["error_records"] = len(items) - len(samples)
+        unavailable = [s for s in items if isinstance(s, SampleUnavailable)]
+        metadata = RecoveryMetadata.from_unavailable(unavailable, locally_empty=False)
+        if metadata.failure_count:
+            batch[RECOVERY_METADATA_KEY] = metadata
+        batch["num_tokens"] = filled
+        return batch
+
+    def _pack(self, tensors: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
+        out = _batch_buffer((self.total_seq_len, *tensors[0].shape[1:]), tensors[0].dtype)
+        offset = 0
+        for t, n in zip(tensors, rows):
+            out[offset:offset + n] = t[:n]
+            offset += n
+        out[offset:].zero_()
+        return out.unsqueeze(0)  # shape: [1, total_seq_len, ...]
+
+
+def _shift(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """speculators' shift_batch (the alignment drawn at the top), with fp8 exponents shifted as their hidden states;
+    `lengths` is dropped: PackedCollate counts rows itself."""
+    shifted = shift_batch(sample)
+    del shifted["lengths"]
+    if "hidden_states_exp" in sample:
+        shifted["hidden_states_exp"] = sample["hidden_states_exp"][:-1]                             # g0 .. g(T-2)
+        shifted["verifier_last_hidden_states_exp"] = sample["verifier_last_hidden_states_exp"][1:]  # y1 .. y(T-1)
+    return shifted
 
 
 def make_loader(dataset: ShardDataset, *, total_seq_len: int, hidden_size: int, world_size: int, rank: int,
-                seed: int, num_workers: int = 1, pin_memory: bool = False) -> DataLoader:
-    """Packed batches [1, total_seq_len, ...] for this rank; call `loader.batch_sampler.set_epoch(e)` each epoch.
+                seed: int, num_workers: int = 1, prefetch_factor: int = 2) -> DataLoader:
+    """Packed batches [1, total_seq_len, ...] for this rank (hidden states in the wire dtype: `decode` them on the
+    device); call `loader.batch_sampler.set_epoch(e)` each epoch.
 
     speculators' sampler shuffles with seed + epoch and hands every rank the same number of batches, so DDP ranks
-    stay in step. Loader worker processes read and decode the next batches (4 each ahead) while the model trains;
-    `pin_memory` (GPU) makes the host-to-device copy asynchronous, so it overlaps the step before."""
+    stay in step. Loader worker processes read and pack the next batches (`prefetch_factor` each ahead) while the
+    model trains; pinning and the copy to the GPU are train_worker.DeviceBatches' (a thread, not the DataLoader's
+    single-threaded pin loop)."""
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
                                                  num_replicas=world_size, rank=rank, seed=seed)
-    collate = CollateFn(total_seq_len, hidden_size, num_target_layers=dataset.num_aux, dtype=dataset.dtype,
-                        preprocess=shift_batch)
+    collate = PackedCollate(total_seq_len, hidden_size, dataset.num_aux, dataset.dtype)
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, prefetch_factor=4 if num_workers > 0 else None,
-                      pin_memory=pin_memory)
+                      persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None)

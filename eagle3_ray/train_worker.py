@@ -9,9 +9,12 @@ Metric names: `loss`, `acc_k` = speculators' full_acc_k (draft steps 0..k all co
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +73,17 @@ class WorkerArgs:
     cache_dir: str | None = None        # online with train.online_cache: where the first epoch's shards go
 
 
-def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int):
-    """(train loader, val loader) over this rank's share of the samples; hidden states stay on storage until read."""
+def train_dtype(device: torch.device) -> torch.dtype:
+    """The dtype hidden states are decoded to: bf16 on GPU (autocast), float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int, device: torch.device | None = None):
+    """(train batches, val loader) over this rank's share of the samples; hidden states stay on storage until read.
+    The train loader is wrapped in DeviceBatches, prepared ahead on `device` (default: this process's current GPU
+    with train.use_gpu, else the CPU)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
     num_aux, hidden = len(args.capture["aux_layer_ids"]), args.capture["hidden_size"]
     dtype = torch.bfloat16 if cfg.train.use_gpu else torch.float32
     loaders = []
@@ -82,9 +94,82 @@ def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int):
                                layer_ids=args.capture["layer_ids"], max_zero_row_share=cfg.generate.max_zero_row_share,
                                max_nonfinite_values=cfg.generate.max_nonfinite_values)
         loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
-                                        world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers,
-                                        pin_memory=cfg.train.use_gpu))
-    return loaders[0], loaders[1]
+                                        world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers))
+    return DeviceBatches(loaders[0], device, dtype), loaders[1]
+
+
+class DeviceBatches:
+    """The loader's batches with their tensors on `device`, hidden states decoded there to `dtype` (data.decode:
+    fp8 is decoded by the GPU, after the copy). On CUDA a thread prepares the next `depth` batches while the current
+    step runs: it copies each into pinned host memory (the caching host allocator's blocks, reused) with a few CPU
+    threads, starts the host-to-device copy and the decode on a side stream, and hands over an event the compute
+    stream waits on, so neither the loop nor the GPU waits for the copy unless the loader falls behind. Non-tensor
+    entries (`error_records`, `num_tokens`) stay host numbers: reading them never waits for the GPU.
+    `pin_s` / `h2d_events` time the copies (gpu_train_bench.py reports them)."""
+
+    def __init__(self, loader, device: torch.device, dtype: torch.dtype, *, depth: int = 2, pin_threads: int = 4):
+        self.loader, self.device, self.dtype, self.depth, self.pin_threads = loader, device, dtype, depth, pin_threads
+        self.batch_sampler = loader.batch_sampler
+        self.pin_s, self.num_copied = 0.0, 0
+        self.h2d_events: deque = deque(maxlen=256)  # (start, end) CUDA events of recent copies + decodes
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        if self.device.type != "cuda":
+            for batch in self.loader:
+                yield {**batch, **to_device(batch, self.device, self.dtype)}
+            return
+        ready: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(ready, stop), name="eagle3-h2d", daemon=True)
+        thread.start()
+        try:
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                batch, copied = item
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(copied)
+                for v in batch.values():
+                    if isinstance(v, torch.Tensor):
+                        v.record_stream(current)  # made on the side stream, freed after the step's use
+                yield batch
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    ready.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
+        torch.set_num_threads(self.pin_threads)  # this thread's copies only (the DataLoader's pin loop uses one)
+        stream = torch.cuda.Stream(self.device)
+        try:
+            with torch.cuda.device(self.device):
+                for batch in self.loader:
+                    if stop.is_set():
+                        return
+                    ready.put(self._copy(batch, stream))
+        except BaseException as e:  # noqa: BLE001 (re-raised in the consuming thread)
+            ready.put(e)
+            return
+        ready.put(None)
+
+    def _copy(self, batch: dict, stream: torch.cuda.Stream) -> tuple[dict, torch.cuda.Event]:
+        t0 = time.perf_counter()
+        pinned = {k: v.pin_memory() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        self.pin_s += time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            tensors = to_device(pinned, self.device, self.dtype)
+            end.record(stream)
+        self.h2d_events.append((start, end))
+        self.num_copied += 1
+        return {**{k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}, **tensors}, end
 
 
 def collective_device() -> torch.device:
@@ -153,7 +238,7 @@ class TrainStep:
         self.autocast = autocast
 
     def __call__(self, batch: dict) -> dict[str, torch.Tensor]:
-        tensors = to_device(batch, self.device)
+        tensors = to_device(batch, self.device)  # a no-op on DeviceBatches' batches
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             _draft, loss, step_metrics = self.model(**tensors, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,7 +251,10 @@ class TrainStep:
 
 
 def batch_tokens(batch: dict) -> float:
-    """Real (non-padding) tokens of a packed batch, counted on the host copy."""
+    """Real (non-padding) tokens of a packed batch: data.PackedCollate's host count, else counted on the host copy
+    (the online stream's batches)."""
+    if "num_tokens" in batch:
+        return float(batch["num_tokens"])
     return float((batch["document_ids"] != -1).sum())
 
 
@@ -179,8 +267,11 @@ def default_loader_workers(use_gpu: bool) -> int:
     return max(1, min(8, per_gpu - 1))
 
 
-def to_device(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The batch's tensors (the model's inputs) on `device`, hidden states decoded there to `dtype` (default
+    train_dtype(device)); tensors already there in `dtype` are returned as they are."""
+    tensors = {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return data.decode(tensors, dtype or train_dtype(device))
 
 
 def _maybe_kill(cfg: Config, out_dir: str, epoch: int, step: int, rank: int, world: int) -> None:
@@ -253,7 +344,7 @@ class Loop:
         self.optimizer = make_optimizer(params, tc.lr, self.device)
         steps_per_epoch = args.steps_per_epoch
         if steps_per_epoch is None:
-            self.train_loader, self.val_loader = make_loaders(self.cfg, args, self.rank, self.world)
+            self.train_loader, self.val_loader = make_loaders(self.cfg, args, self.rank, self.world, self.device)
             steps_per_epoch = len(self.train_loader)
         self.steps_per_epoch = steps_per_epoch
         self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, tc.warmup_steps,

@@ -65,8 +65,10 @@ def test_fp8_shards_decode_close_to_bf16(gen_dir, tmp_path):
     path = str(tmp_path / "fp8.safetensors")
     shards.write_shard(path, shards.encode_sample(ref.key, hs, "fp8"))
     fp8_ref = data.SampleRef(ref.id, path, ref.key, ref.num_tokens, ref.input_ids, ref.loss_mask)
-    decoded = data.ShardDataset([fp8_ref], num_aux=3)[0]["verifier_last_hidden_states"]
-    rel = (decoded - hs[:, 3]).norm() / hs[:, 3].norm()
+    sample = data.ShardDataset([fp8_ref], num_aux=3)[0]
+    assert sample["verifier_last_hidden_states"].dtype == torch.float8_e4m3fn  # decoded on the device, not here
+    decoded = data.decode(sample, torch.float32)["verifier_last_hidden_states"]
+    rel = (decoded - hs[:, 3].float()).norm() / hs[:, 3].float().norm()
     assert rel < 0.05
 
 
@@ -148,3 +150,87 @@ def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_it
 
     assert greedy_groups([3, 4, 2, 9, 1, 5], budget=7) == [[0, 1], [2], [3], [4, 5]]
     assert greedy_groups([7, 7], budget=7) == [[0], [1]] and greedy_groups([], budget=7) == []
+
+
+def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
+    """The generate output's samples re-stored as fp8 shards (one file per source shard)."""
+    refs, _ = _refs(gen_dir)
+    out = []
+    for path in sorted({r.shard_path for r in refs}):
+        fp8_path = str(tmp_path / path.split("/")[-1])
+        keys = [r.key for r in refs if r.shard_path == path]
+        tensors = {}
+        for key in keys:
+            tensors.update(shards.encode_sample(key, shards.read_sample(path, key), "fp8"))
+        shards.write_shard(fp8_path, tensors)
+    for r in refs:
+        out.append(data.SampleRef(r.id, str(tmp_path / r.shard_path.split("/")[-1]), r.key, r.num_tokens,
+                                  r.input_ids, r.loss_mask))
+    return out
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_decoded_samples(
+        gen_dir, tmp_path, stored, dtype, num_workers):
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    refs = _refs(gen_dir)[0] if stored == "bfloat16" else _fp8_copy(gen_dir, tmp_path)
+    ds = data.ShardDataset(refs, num_aux=3, dtype=dtype)
+    longest = max(r.num_tokens for r in refs)
+    for total in (longest - 3, 3 * longest):  # the longest sample cut at the budget; several samples per batch
+        loader = data.make_loader(ds, total_seq_len=total, hidden_size=256, world_size=1, rank=0, seed=0,
+                                  num_workers=num_workers, prefetch_factor=3)
+        before = CollateFn(total, 256, num_target_layers=3, dtype=dtype, preprocess=shift_batch)  # the old path
+        groups = loader.batch_sampler._generate_batches(0)
+        batches = list(loader)
+        assert len(batches) == len(groups) >= 3
+        assert any(len(g) > 1 for g in groups) if total > longest else any(len(g) == 1 for g in groups)
+        for group, batch in zip(groups, batches):
+            wire = torch.float8_e4m3fn if stored == "fp8" else torch.bfloat16
+            assert batch["hidden_states"].dtype == wire and batch["hidden_states"].shape == (1, total, 768)
+            assert (stored == "fp8") == ("hidden_states_exp" in batch)
+            assert batch["num_tokens"] == int((batch["document_ids"] != -1).sum())
+            expected, got = before([data.decode(ds[i], dtype) for i in group]), data.decode(batch, dtype)
+            assert set(got) == set(expected) | {"num_tokens"}
+            for key, value in expected.items():
+                if isinstance(value, torch.Tensor):
+                    assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+                else:
+                    assert got[key] == value, key
+
+
+def test_skipped_samples_are_counted_and_an_all_skipped_batch_is_speculators_empty_batch(gen_dir):
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+    from speculators.train.recovery import SampleUnavailable
+
+    refs, _ = _refs(gen_dir)
+    ds = data.ShardDataset(refs, num_aux=3)
+    collate = data.PackedCollate(128, 256, 3, torch.float32)
+    before = CollateFn(128, 256, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
+    gone = SampleUnavailable(reason="gone")
+    for items in ([ds[0], gone, ds[1]], [gone, gone]):
+        got, expected = data.decode(collate(items), torch.float32), before(items)
+        assert got["error_records"] == expected["error_records"] == items.count(gone)
+        for key, value in expected.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "fp8"])
+def test_the_loaders_capture_check_counts_what_the_generate_stage_check_counts(stored):
+    hs = torch.randn(64, 4, 32)
+    hs[3, 1, 7], hs[5, 2, :3], hs[9, 0] = float("nan"), float("nan"), 0
+    hs[:, 3] = 0
+    if stored == "bfloat16":
+        hs[6, 0, 1], hs[8, 2, 2] = float("inf"), float("-inf")
+    encoded = shards.encode_sample("k", hs, stored)
+    q = encoded["k.hs"]
+    reference = hs.to(torch.bfloat16) if stored == "bfloat16" else shards.dequantize_fp8(q, encoded["k.scale"])
+    expected = shards.capture_stats(reference)
+    got = data.bad_row_counts(q)
+    assert got["zero_rows"] == expected["zero_rows"] == [1, 0, 0, 64]
+    assert got["nonfinite"] == expected["nonfinite"] and sum(got["nonfinite"]) >= 4
