@@ -1,8 +1,13 @@
 """Training throughput on one GPU: our train-stage step (eagle3_ray.train_worker's model build + data.py's loader)
 vs speculators' own Trainer (`python3 -m speculators.train`), on the same synthetic hidden states.
 
-    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --out /tmp/train_bench.json   # H200
+    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 8192 --out /tmp/tb_8192.json
+    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 2048 --out /tmp/tb_2048.json
     python3 bench/gpu_train_bench.py --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
+
+One total_seq_len per call keeps a call within the GPU machine's 10-minute limit; the synthetic data (--work) is
+written by the first call and reused by the next ones with the same sample arguments. Each side's row splits its
+step: data wait (host blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of the step).
 
 The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is all Eagle3DraftModel loads from
 `verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
@@ -132,12 +137,17 @@ def write_vocabs(work: str, gen_dir: str, spec_dir: str, draft_vocab: int, verif
 
 def timed_loop(loader, step_fn, num_steps: int, warmup: int, device: torch.device) -> dict:
     """Runs step_fn(batch) over epochs until warmup + num_steps; times the last num_steps (the device synchronized
-    at both ends; steps themselves never wait for it, as in the worker loop)."""
+    at both ends; steps themselves never wait for it, as in the worker loop). The split of a step: `data_wait_frac`
+    (the loop blocked on the next batch), and on CUDA `compute_ms` (GPU time from a step's first kernel to its last,
+    CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time of
+    a batch's copy + decode on the side stream, overlapped with compute) and `pin_ms` (host copy into pinned memory,
+    in its thread)."""
     from eagle3_ray.train_worker import batch_tokens
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    waits, tokens, epoch, done = 0.0, 0.0, 0, 0
-    t_start = None
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    waits, tokens, epoch, done, marks = 0.0, 0.0, 0, 0, []
+    t_start, pin0, copied0 = None, 0.0, 0
     while done < warmup + num_steps:
         loader.batch_sampler.set_epoch(epoch)
         t_fetch = time.perf_counter()
@@ -146,9 +156,15 @@ def timed_loop(loader, step_fn, num_steps: int, warmup: int, device: torch.devic
             if done == warmup:
                 sync()
                 t_start, waits, tokens = time.perf_counter(), 0.0, 0.0
+                pin0, copied0 = getattr(loader, "pin_s", 0.0), getattr(loader, "num_copied", 0)
             else:
                 waits += wait_s
+            if cuda and done >= warmup:
+                marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                marks[-1][0].record()
             step_fn(batch)
+            if cuda and done >= warmup:
+                marks[-1][1].record()
             tokens += batch_tokens(batch)
             done += 1
             if done == warmup + num_steps:
@@ -157,8 +173,16 @@ def timed_loop(loader, step_fn, num_steps: int, warmup: int, device: torch.devic
         epoch += 1
     sync()
     elapsed_s = time.perf_counter() - t_start
-    return {"steps": num_steps, "tokens_per_s": tokens / elapsed_s, "step_ms": 1000 * elapsed_s / num_steps,
-            "data_wait_frac": waits / elapsed_s, "tokens_per_step": tokens / num_steps}
+    result = {"steps": num_steps, "tokens_per_s": tokens / elapsed_s, "step_ms": 1000 * elapsed_s / num_steps,
+              "data_wait_frac": waits / elapsed_s, "tokens_per_step": tokens / num_steps}
+    if cuda:
+        compute_ms = sum(a.elapsed_time(b) for a, b in marks)
+        result.update(compute_ms=compute_ms / num_steps, gpu_busy_frac=compute_ms / (1000 * elapsed_s))
+    copies = list(getattr(loader, "h2d_events", []))[-num_steps:]
+    if copies:
+        result["h2d_ms"] = sum(a.elapsed_time(b) for a, b in copies) / len(copies)
+        result["pin_ms"] = 1000 * (loader.pin_s - pin0) / max(1, loader.num_copied - copied0)
+    return result
 
 
 def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) -> dict:
@@ -192,17 +216,18 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     optimizer = train_worker.make_optimizer(params, tc.lr, device)
     refs, _manifest = data.load_refs(gen_dir)
     args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
-    train_loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
+    train_loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1, device=device)
     step = train_worker.TrainStep(model, params, optimizer, None, train_worker.loss_kwargs(cfg), device,
                                   autocast=use_gpu, max_grad_norm=tc.max_grad_norm)
     result = timed_loop(train_loader, step, num_steps, warmup, device)
-    result["loader_workers"] = train_loader.num_workers
+    result["loader_workers"] = train_loader.loader.num_workers
     if peak_flops:
         result["compute_floor"] = compute_floor(model, total_seq_len, tc.ttt_steps, peak_flops)
     return result
 
 
-PROFILE_RE = re.compile(r"""['"]?(step_ms|fetch_ms|tokens_per_s)['"]?\s*[:=]\s*([0-9.eE+-]+)""")
+PROFILE_KEYS = ("step_ms", "fetch_ms", "h2d_ms", "fwd_ms", "bwd_ms", "opt_ms", "tokens_per_s")
+PROFILE_RE = re.compile(r"""['"]?(%s)['"]?\s*[:=]\s*([0-9.eE+-]+)""" % "|".join(PROFILE_KEYS))
 
 
 def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_seq_len: int, draft_vocab: int,
@@ -227,7 +252,7 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
         f.write(" ".join(cmd) + "\n" + log_text)
     if proc.returncode != 0:
         raise RuntimeError(f"speculators.train exited {proc.returncode}; tail:\n{log_text[-3000:]}")
-    steps: dict[str, list[float]] = {"step_ms": [], "fetch_ms": [], "tokens_per_s": []}
+    steps: dict[str, list[float]] = {k: [] for k in PROFILE_KEYS}
     for line in log_text.splitlines():
         for k, v in PROFILE_RE.findall(line):
             steps[k].append(float(v))
@@ -235,22 +260,49 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_
     timed = {k: v[warmup:warmup + num_steps] for k, v in steps.items()}
     if not timed["step_ms"]:
         raise RuntimeError(f"no step profile in speculators' log ({work}/speculators_{total_seq_len}.log)")
-    step_ms = sum(timed["step_ms"]) / len(timed["step_ms"])
-    return {"steps": len(timed["step_ms"]), "step_ms": step_ms,
+    n = len(timed["step_ms"])
+    mean = {k: sum(v) / len(v) for k, v in timed.items() if len(v) == n}
+    # its fetch_ms includes its h2d_ms; fwd + bwd + opt is the step's compute (every phase mark synchronizes)
+    return {"steps": n, "step_ms": mean["step_ms"],
             "tokens_per_s": sum(t * s for t, s in zip(timed["tokens_per_s"], timed["step_ms"])) / sum(timed["step_ms"]),
-            "data_wait_frac": sum(timed["fetch_ms"]) / sum(timed["step_ms"]), "wall_s": wall_s}
+            "data_wait_frac": sum(timed["fetch_ms"]) / sum(timed["step_ms"]), "h2d_ms": mean.get("h2d_ms"),
+            "compute_ms": sum(mean.get(k, 0.0) for k in ("fwd_ms", "bwd_ms", "opt_ms")), "wall_s": wall_s}
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'ratio':>6} "
-          f"{'floor tok/s':>11}")
+    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'h2d ms':>7} "
+          f"{'compute ms':>10} {'ratio':>6} {'floor tok/s':>11}")
+    nan = float("nan")
     for r in rows:
         if "error" in r:
             print(f"{r['total_seq_len']:>8} {r['impl']:<22} FAILED (see JSON / log)")
             continue
         print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
-              f"{r['data_wait_frac']:>9.2f} {r.get('ratio_vs_speculators', float('nan')):>6.2f} "
-              f"{r.get('compute_floor', {}).get('tokens_per_s', float('nan')):>11.0f}")
+              f"{r['data_wait_frac']:>9.3f} {r.get('h2d_ms') or nan:>7.1f} {r.get('compute_ms') or nan:>10.1f} "
+              f"{r.get('ratio_vs_speculators', nan):>6.2f} "
+              f"{r.get('compute_floor', {}).get('tokens_per_s', nan):>11.0f}")
+
+
+def prepare_data(work: str, verifier: str, shape: dict, aux: list[int], *, num_samples: int, min_len: int,
+                 max_len: int, draft_vocab: int) -> tuple[str, str, str]:
+    """(our generate dir, speculators' data dir, our vocab dir), written once per work dir and kept for the next
+    invocation with the same samples (one total_seq_len per call fits the GPU machine's 10-minute call limit)."""
+    key = {"num_samples": num_samples, "min_len": min_len, "max_len": max_len, "shape": shape, "aux": aux,
+           "draft_vocab": draft_vocab, "verifier": verifier}
+    stamp = os.path.join(work, "data.json")
+    gen_dir, spec_dir, vocab_dir = (os.path.join(work, d) for d in ("generate", "spec_data", "vocab"))
+    if os.path.exists(stamp) and json.load(open(stamp)) == key:
+        print(f"data: reusing {num_samples} samples in {work}", flush=True)
+        return gen_dir, spec_dir, vocab_dir
+    t0 = time.perf_counter()
+    for d in (gen_dir, spec_dir, vocab_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    samples = make_samples(num_samples, min_len, max_len, len(aux) + 1, shape["hidden_size"], shape["vocab_size"])
+    gen_dir, spec_dir = write_both_formats(work, verifier, shape, aux, samples)
+    vocab_dir = write_vocabs(work, gen_dir, spec_dir, draft_vocab, shape["vocab_size"])
+    storage.write_json_atomic(stamp, key)
+    print(f"data: {num_samples} samples in both formats, {time.perf_counter() - t0:.0f} s", flush=True)
+    return gen_dir, spec_dir, vocab_dir
 
 
 def main() -> None:
@@ -258,8 +310,9 @@ def main() -> None:
     p.add_argument("--verifier", default="/tmp/verifiers/llama3-8b", help="dir to reuse or create")
     p.add_argument("--work", default="/tmp/train_bench")
     p.add_argument("--out", required=True, help="JSON results")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--num-samples", type=int, default=256)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help="total_seq_len values (default 2048 8192; --tiny: 128 256); one per call fits 10 minutes")
+    p.add_argument("--num-samples", type=int, default=128)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--loader-workers", type=int, default=8, help="DataLoader workers, both sides")
@@ -269,16 +322,13 @@ def main() -> None:
     use_gpu = torch.cuda.is_available() and not args.tiny
     shape, aux = (TINY, AUX_TINY) if args.tiny else (LLAMA31_8B, AUX_8B)
     draft_vocab = 256 if args.tiny else 32000
-    seq_lens = [128, 256] if args.tiny else args.seq_lens
+    seq_lens = args.seq_lens or ([128, 256] if args.tiny else [2048, 8192])
     num_samples, min_len, max_len = (24, 20, 60) if args.tiny else (args.num_samples, 256, 2048)
     os.makedirs(args.work, exist_ok=True)
     verifier = write_verifier(os.path.join(args.work, "verifier") if args.tiny else args.verifier, shape,
                               "cuda" if use_gpu else "cpu")
-    t0 = time.perf_counter()
-    samples = make_samples(num_samples, min_len, max_len, len(aux) + 1, shape["hidden_size"], shape["vocab_size"])
-    gen_dir, spec_dir = write_both_formats(args.work, verifier, shape, aux, samples)
-    vocab_dir = write_vocabs(args.work, gen_dir, spec_dir, draft_vocab, shape["vocab_size"])
-    print(f"data: {num_samples} samples in both formats, {time.perf_counter() - t0:.0f} s", flush=True)
+    gen_dir, spec_dir, vocab_dir = prepare_data(args.work, verifier, shape, aux, num_samples=num_samples,
+                                                min_len=min_len, max_len=max_len, draft_vocab=draft_vocab)
     rows = []
     for seq_len in seq_lens:
         ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
