@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -42,9 +43,12 @@ def _tiny_run(tmp_path):
     return gen_dir, gb.write_vocabs(str(tmp_path), gen_dir, spec_dir, 128, gb.TINY["vocab_size"])
 
 
-def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: int, steps: int = 6) -> list[float]:
+def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: int, steps: int = 6,
+            old_collate: bool = False) -> list[float]:
     """Loss per step of the worker's TrainStep (foreach AdamW, no sync per step, loader workers) or of the plain
-    eager reference (per-parameter AdamW, a loss read every step, inline loading), same seed and data."""
+    eager reference (per-parameter AdamW, a loss read every step, inline loading), same seed and data.
+    `old_collate`: the batches of the data path before data.PackedCollate (speculators' CollateFn over samples
+    decoded on the host), same sampler."""
     import json
     import os
 
@@ -63,6 +67,15 @@ def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: i
     refs, _ = data.load_refs(gen_dir)
     args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
     loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
+    if old_collate:
+        from speculators.models.eagle3.data import shift_batch
+        from speculators.train.data import CollateFn
+
+        ds, dtype = loader.loader.dataset, torch.float32
+        before = CollateFn(tc.total_seq_len, capture["hidden_size"], num_target_layers=3, dtype=dtype,
+                           preprocess=shift_batch)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=loader.batch_sampler,
+                                             collate_fn=lambda items: before([data.decode(s, dtype) for s in items]))
     kwargs = train_worker.loss_kwargs(cfg)
     losses = []
     if faster:
@@ -91,6 +104,57 @@ def test_the_worker_step_and_loader_give_the_loss_curve_of_the_plain_eager_step(
     faster = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
     assert len(reference) == len(faster) >= 3
     assert max(abs(a - b) for a, b in zip(reference, faster)) < 1e-4 * max(map(abs, reference))
+
+
+def test_the_new_data_path_gives_the_old_data_paths_loss_sequence_exactly(tmp_path):
+    gen_dir, vocab_dir = _tiny_run(tmp_path)
+    before = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=0, old_collate=True)
+    after = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
+    assert len(before) == len(after) >= 3 and before == after
+
+
+def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host_counts(tmp_path):
+    from eagle3_ray import data, train_worker
+
+    gen_dir, _ = _tiny_run(tmp_path)
+    refs, _ = data.load_refs(gen_dir)
+    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.float32), total_seq_len=96, hidden_size=64,
+                              world_size=1, rank=0, seed=0, num_workers=1)
+    batches = train_worker.DeviceBatches(loader, torch.device("cpu"), torch.float32)
+    assert len(batches) == len(loader) and batches.batch_sampler is loader.batch_sampler
+    host_batches = list(loader)  # first: a loader with persistent workers has one iterator at a time
+    for host, ready in zip(host_batches, batches, strict=True):
+        assert host["hidden_states"].dtype == torch.bfloat16 and ready["hidden_states"].dtype == torch.float32
+        assert torch.equal(ready["hidden_states"], host["hidden_states"].float())
+        assert ready["num_tokens"] == host["num_tokens"] == train_worker.batch_tokens(host) > 0
+        assert ready["error_records"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(tmp_path):
+    from eagle3_ray import data, shards, train_worker
+
+    gen_dir, _ = _tiny_run(tmp_path)
+    refs, _ = data.load_refs(gen_dir)
+    for ref in refs[:8]:  # half the samples stored as fp8: mixed batches fall back to the host decode
+        path = str(tmp_path / f"{ref.key}.fp8.safetensors")
+        shards.write_shard(path, shards.encode_sample(ref.key, shards.read_sample(ref.shard_path, ref.key), "fp8"))
+        ref.shard_path = path
+    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), total_seq_len=96, hidden_size=64,
+                              world_size=1, rank=0, seed=0, num_workers=2)
+    batches = train_worker.DeviceBatches(loader, torch.device("cuda"), torch.bfloat16)
+    for epoch in range(2):
+        loader.batch_sampler.set_epoch(epoch)
+        host = [data.decode(b, torch.bfloat16) for b in loader]  # first: one loader iterator at a time
+        for i, (expected, got) in enumerate(zip(host, batches)):
+            for k, v in expected.items():
+                if isinstance(v, torch.Tensor):
+                    assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
+            if epoch == 0 and i == 2:
+                break  # the producer thread stops; the next epoch starts a new one
+    torch.cuda.synchronize()
+    assert batches.num_copied >= 3 and batches.pin_s > 0
 
 
 def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):
