@@ -283,6 +283,13 @@ def print_table(rows: list[dict]) -> None:
               f"{r.get('compute_floor', {}).get('tokens_per_s', nan):>11.0f}")
 
 
+def _copy_log_next_to(out: str, work: str, seq_len: int) -> None:
+    """speculators' log beside the results JSON (the GPU machine's $OUT comes back, its --work does not)."""
+    log_path = os.path.join(work, f"speculators_{seq_len}.log")
+    if os.path.exists(log_path):
+        shutil.copy(log_path, os.path.dirname(os.path.abspath(out)))
+
+
 def prepare_data(work: str, verifier: str, shape: dict, aux: list[int], *, num_samples: int, min_len: int,
                  max_len: int, draft_vocab: int) -> tuple[str, str, str]:
     """(our generate dir, speculators' data dir, our vocab dir), written once per work dir and kept for the next
@@ -344,9 +351,11 @@ def main() -> None:
                                         num_loader_workers=args.loader_workers)
         except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
             print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
+            _copy_log_next_to(args.out, args.work, seq_len)
             rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})
             continue
         rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
+        _copy_log_next_to(args.out, args.work, seq_len)
         rows[-2]["ratio_vs_speculators"] = ours["tokens_per_s"] / spec["tokens_per_s"]
     print_table(rows)
     device = torch.cuda.get_device_name() if use_gpu else "cpu"
