@@ -118,11 +118,13 @@ class GenerateConfig:
     the model once per pass, one engine resident at a time). `capture_only`: conversations already have responses;
     only capture (a prefill pass). `auto`: `two_pass` when the expected output tokens (max_tokens per turn, summed)
     exceed `two_pass_min_output_ratio` x the prompt tokens of the pending samples, else `generate`."""
-    two_pass_min_output_ratio: float = 8.0
-    """`mode=auto` rule, from one H200 (8B-shaped, vLLM 0.24): decode d = 23.2k tok/s plain vs 0.61 d with capture;
-    capture prefill c = 40.4k tok/s. Per sample one pass costs O/(0.61 d), two passes O/d + (P+O)/c, so two passes
-    win when O > P (d/c) / (1/0.61 - 1 - d/c) ~ 8.8 P (P prompt, O output tokens; the prompt's own prefill is the
-    same in both). Rounded down to 8: a second engine start is not counted."""
+    two_pass_min_output_ratio: float = 0.5
+    """`mode=auto` rule, from one H200 (8B-shaped verifier, vLLM 0.24, bench/gpu/generate_bench.py, 2026-12-01):
+    decode d = 23.8k tok/s plain vs 0.33 d with capture in the same engine; capture prefill c = 38.6k tok/s. Per
+    sample one pass costs O/(0.33 d), two passes O/d + (P+O)/c, so two passes win when
+    O > P (d/c) / (1/0.33 - 1 - d/c) ~ 0.44 P (P prompt, O output tokens). The stage itself, same prompts: two_pass
+    1.38x one pass at 256 output tokens (O = 5.9 P) and 1.25x at 2048 (O = 47 P). Not counted: two_pass's second
+    engine start per replica (40 s for the 8B here; a 1T-class model loads for 20+ minutes)."""
     units_in_flight: int = field(default=32, metadata=NOT_IN_VERSION)
     """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
     continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""

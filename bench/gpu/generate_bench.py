@@ -1,4 +1,4 @@
-"""The generate stage against the vLLM engine it wraps, on identical prompts, in one call (issues 13 and 14).
+"""The generate stage against the vLLM engine it wraps, on identical prompts, in one call.
 
     python3 bench/gpu/generate_bench.py /tmp/verifiers/llama3-8b --out-lens 256,2048 --out $OUT/generate_bench.json
     .venv/bin/python bench/gpu/generate_bench.py --tiny --out /tmp/generate_bench/result.json   # CPU rehearsal
