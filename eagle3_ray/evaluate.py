@@ -162,7 +162,9 @@ def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_spe
         args["speculative_config"] = {"method": "eagle3", "model": drafter_dir,
                                       "num_speculative_tokens": num_speculative_tokens}
     args.update(cfg.evaluate.engine_kwargs)
-    return args
+    from eagle3_ray.engine import with_cpu_rotary_fix  # here: engine.py imports vLLM's connector module
+
+    return with_cpu_rotary_fix(args, verifier_dir, cfg.verifier.trust_remote_code)
 
 
 def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:

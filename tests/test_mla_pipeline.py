@@ -54,14 +54,14 @@ EVALUATE_ENV = {} if cpu_has_amx() else {"VLLM_MLA_DISABLE": "1"}
 # and c=4). With the custom op off vLLM uses its own PyTorch rotary (forward_native), which is exact: the fp32 capture
 # then equals transformers' fp32 forward pass rounded to the shards' bf16 (within 1e-4), at every layer, prefill and
 # decode. (Without enforce_eager vLLM-CPU compiles with custom ops off: the bug needs enforce_eager, which recipes set.)
-ROTARY_WORKAROUND = [f'{stage}.engine_kwargs.compilation_config={{"custom_ops": ["-rotary_embedding"]}}'
-                     for stage in ("generate", "evaluate")]
+# Every engine of the verifier turns the op off for an MLA verifier on CPU (engine.with_cpu_rotary_fix): the runs here
+# use the recipe as it is.
 
 
 def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
     """`python ray_jobs/pipeline.py` on the recipe (its own local Ray), as a user runs it; returns the job log."""
     cmd = [sys.executable, "ray_jobs/pipeline.py", str(RECIPE), f"run.storage_path={base}", "run.name=kimi", *SMALL,
-           *ROTARY_WORKAROUND, "--stages", stages]
+           "--stages", stages]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -70,7 +70,8 @@ def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def kimi_run(tmp_path_factory):
     """One run of the recipe through the entry point, shared by the module's tests: capture, training and export
-    with vLLM's MLA kernels, then evaluation (see EVALUATE_ENV), both with vLLM's PyTorch rotary (ROTARY_WORKAROUND)."""
+    with vLLM's MLA kernels, then evaluation (see EVALUATE_ENV), both with vLLM's PyTorch rotary
+    (engine.with_cpu_rotary_fix)."""
     base = tmp_path_factory.mktemp("mla")
     logs = run_entry_point(base, "ingest,generate,train,export", {})
     logs += run_entry_point(base, "evaluate", EVALUATE_ENV)
@@ -87,11 +88,12 @@ def _spec_rows(results: dict) -> dict[int, dict]:
 
 
 def test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views():
-    """Why the runs here turn vLLM's rotary custom op off (ROTARY_WORKAROUND), pinned without an engine: on the views
+    """Why the engines of an MLA verifier turn vLLM's rotary custom op off on CPU, pinned without an engine: on the
+    views
     DeepSeek's MLA layer passes it (vllm/model_executor/layers/mla.py: q[..., nope:] of [T, H, 128], and k_pe, the
     tail of the [T, 576] latent), vLLM-CPU's kernel is far from vLLM's own PyTorch rotary, which equals transformers'
     interleaved rotary on the tiny verifier's config. When the first assert fails, vLLM has fixed its CPU kernel: drop
-    ROTARY_WORKAROUND (and this test)."""
+    engine.with_cpu_rotary_fix (and this test)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3RotaryEmbedding,
                                                                       apply_rotary_pos_emb_interleave)
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -125,6 +127,21 @@ def test_vllm_cpu_rotary_kernel_misrotates_mlas_q_pe_and_k_pe_views():
     deinterleave = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
     assert rel(q_native[..., deinterleave], q_hf[0].transpose(0, 1)).max() < 1e-5
     assert rel(k_native[:, 0, deinterleave], k_hf[0, 0]).max() < 1e-5
+
+
+def test_mla_verifier_engines_on_cpu_use_vllms_pytorch_rotary_unless_the_user_chose(kimi_run, tmp_path):
+    from eagle3_ray.engine import with_cpu_rotary_fix
+    from eagle3_ray.tiny_verifier import build_tiny_verifier
+
+    kimi, fix = kimi_run["results"]["verifier_path"], {"custom_ops": ["-rotary_embedding"]}
+    assert with_cpu_rotary_fix({"enforce_eager": True}, kimi, False)["compilation_config"] == fix
+    assert with_cpu_rotary_fix({"enforce_eager": True, "compilation_config": {"mode": 0}}, kimi, False)[
+        "compilation_config"] == {"mode": 0, **fix}
+    mine = {"enforce_eager": True, "compilation_config": {"custom_ops": ["+rotary_embedding"]}}
+    assert with_cpu_rotary_fix(mine, kimi, False) == mine
+    assert "compilation_config" not in with_cpu_rotary_fix({}, kimi, False)  # compiled: custom ops are off already
+    llama = str(build_tiny_verifier("llama", str(tmp_path / "llama")))
+    assert "compilation_config" not in with_cpu_rotary_fix({"enforce_eager": True}, llama, False)
 
 
 def test_every_stage_finishes_on_the_kimi_wrapped_mla_verifier(kimi_run):
@@ -175,7 +192,7 @@ def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[
 
 
 def test_mla_capture_drifts_from_transformers_fp32_no_further_than_transformers_own_bf16(kimi_run):
-    """vLLM's bf16 capture (its MLA kernels, its fused MoE, its PyTorch rotary: ROTARY_WORKAROUND) against
+    """vLLM's bf16 capture (its MLA kernels, its fused MoE, its PyTorch rotary: engine.with_cpu_rotary_fix) against
     transformers' fp32 forward pass of the same Kimi wrapper, next to transformers' own bf16 forward pass against the
     same reference: the capture may drift as far as bf16 does, not further."""
     drift = _drift_per_layer(kimi_run["latest"]["generate"], kimi_run["results"]["verifier_path"])
