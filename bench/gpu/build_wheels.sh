@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs HERE (CPU, with PyPI): download the wheels the lent H200 machines lack and pack them into call-sized groups.
+# Runs HERE (CPU, with PyPI): download the wheels the H200 machines (no internet) lack, pack them into call-sized groups.
 #
 #   bash bench/gpu/build_wheels.sh            # -> .whl/all/*.whl, .whl/g1 .. .whl/gN, bench/gpu/{wheels,parts}.sha256
 #

@@ -1,4 +1,4 @@
-"""Check the wheel set for the lent H200 machines here, on CPU, before any device time is spent.
+"""Check the wheel set for the H200 machines (no internet access) here, on CPU, before any GPU run.
 
     .venv/bin/python bench/gpu/check_wheels.py .whl/all
 
