@@ -19,7 +19,10 @@ def load(doc: str, stage: str, add_arguments: Callable[[argparse.ArgumentParser]
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_intermixed_args()
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, OSError) as e:  # a bad recipe or override: its message, no traceback (exit 2, like argparse)
+        parser.error(str(e))
     log(stage, "config", recipe=args.config, overrides=args.overrides)
     print(dump_config(cfg), flush=True)
     return cfg, args

@@ -92,3 +92,16 @@ def test_bad_values_fail_naming_the_field(override, field):
 def test_an_override_without_equals_sign_is_rejected():
     with pytest.raises(ValueError, match="must look like section.field=value"):
         load_config(None, ["train.epochs"])
+
+
+def test_a_bad_override_on_the_command_line_is_one_error_line_without_a_traceback():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "ray_jobs/pipeline.py", "ray_jobs/configs/tiny_cpu.yaml",
+                           "generate.writer_threads=0"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "generate.writer_threads" in proc.stderr and "must be >= 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
