@@ -76,7 +76,8 @@ def _unit(samples: list[dict[str, Any]], num_tokens: int) -> Unit:
 def placement_args(cfg: Config, created: list) -> dict[str, Any]:
     """map_batches resources for one replica. TP>1: a STRICT_PACK placement group per replica (one bundle per TP
     worker, all on one node) that the engine actor and vLLM's Ray workers are scheduled into; `created` collects
-    the groups so the stage removes them when it ends."""
+    the groups so the stage removes them when it ends. `ray_remote_args_fn` is what Ray 2.60's ray.data.llm vLLM
+    stage uses for the same purpose; Ray removes it in 2.64, hence the Ray pin in pyproject.toml."""
     gen = cfg.generate
     if gen.tensor_parallel_size == 1:
         return {"num_cpus": gen.num_cpus_per_replica, "num_gpus": gen.num_gpus_per_worker}
