@@ -15,6 +15,7 @@ fit the budget (else it waits, logged as `backpressure`: the writers fell behind
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from typing import Any
@@ -59,6 +60,9 @@ def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: li
                                 f"shard {shard}) {problem}")
 
 
+JOB_PRIORITY = {"commit": 0, "prepare": 1, "discard": 1}
+
+
 class CaptureWriter:
     """The actor's writer threads (`generate.writer_threads`), all taking jobs from one queue:
 
@@ -73,27 +77,33 @@ class CaptureWriter:
 
     def __init__(self, dtype: str, num_threads: int):
         self.dtype = dtype
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()  # FIFO within a kind
         for i in range(num_threads):
             threading.Thread(target=self._run, name=f"capture-writer-{i}", daemon=True).start()
 
     def discard(self, paths: list[str]) -> None:
         if paths:
-            self.jobs.put(("discard", paths))
+            self._put("discard", paths)
 
     def prepare(self, conv: Any) -> None:
         """Any thread (the engine loop calls it when a conversation finishes)."""
         if conv.capture_path and conv.record["status"] == "ok":
-            self.jobs.put(("prepare", conv))
+            self._put("prepare", conv)
 
     def commit(self, unit_id: str, convs: list, sink: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        self.jobs.put(("commit", (unit_id, convs, sink, future)))
+        self._put("commit", (unit_id, convs, sink, future))
         return future
+
+    def _put(self, kind: str, job: Any) -> None:
+        """A unit's commit goes before queued prepares (it does its own unit's remaining ones), so a finished unit
+        lands, and frees its bytes, while later units' captures wait; prepares and deletions keep their order."""
+        self.jobs.put((JOB_PRIORITY[kind], next(self.order), kind, job))
 
     def _run(self) -> None:
         while True:
-            kind, job = self.jobs.get()
+            _, _, kind, job = self.jobs.get()
             if kind == "discard":
                 for path in job:
                     chat.discard_capture(path)

@@ -78,7 +78,10 @@ def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote
 
     from eagle3_ray.layers import text_config
 
-    hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
+    try:
+        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
+    except OSError:  # no readable config: vLLM's own start names the problem
+        return kwargs
     if getattr(hf, "kv_lora_rank", None) is None:
         return kwargs
     return {**kwargs, "compilation_config": {**compilation, "custom_ops": ["-rotary_embedding"]}}
