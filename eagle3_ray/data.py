@@ -32,6 +32,8 @@ import json
 import math
 import os
 import struct
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -249,6 +251,11 @@ class ShardDataset(Dataset):
     def __len__(self) -> int:
         return len(self.refs)
 
+    def __getitems__(self, indices: list[int]) -> list:
+        """The batch's samples (the DataLoader's fetcher calls this), with the ring tag make_loader's sampler gave
+        the batch (reuse_buffers=True)."""
+        return _Indexed((self[i] for i in indices), getattr(indices, "tag", None))
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor] | SampleUnavailable:
         ref = self.refs[index]
         try:
@@ -295,22 +302,121 @@ def _batch_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
+class _Indexed(list):
+    """A batch's sample indices or samples, with its ring tag (worker, number) when make_loader(reuse_buffers=True)
+    numbered it (None: no ring)."""
+
+    def __init__(self, items=(), tag: tuple[int, int] | None = None):
+        super().__init__(items)
+        self.tag = tag
+
+
+class BatchRing:
+    """`slots_per_worker` batch buffers per loader worker in shared memory, made by the training process before its
+    workers start (they inherit them) and reused for the loader's lifetime: worker w writes its n-th batch into its
+    slot n % slots_per_worker and sends only where the tensors lie; the training process views them in its own
+    mapping of the same pages. So no batch pays for fresh shared memory (page faults: ~130 ms of a worker's ~250 ms
+    per 268 MB batch, and as much again for unmapping and freeing it in the training process, GIL held) or for
+    passing file descriptors; each slot's pages are faulted in once, by the one worker that writes it.
+
+    Hand-back: `turn[slot]` is the batch number allowed to write the slot; a worker waits for its turn, the
+    consumer's `release(worker, n)` (once it no longer reads the batch, e.g. after its copy into pinned memory)
+    passes the slot on to batch n + slots_per_worker. The DataLoader deals batches round robin and keeps
+    prefetch_factor per worker in flight, so with slots_per_worker = prefetch_factor + 1 and a consumer that
+    releases each batch before fetching the next, a worker never waits; one that waits `timeout_s` raises (a
+    consumer holding batches)."""
+
+    def __init__(self, num_workers: int, slots_per_worker: int, slot_bytes: int, timeout_s: float = 300.0):
+        self.num_workers, self.slots_per_worker, self.slot_bytes = num_workers, slots_per_worker, slot_bytes
+        self.timeout_s, self.num_slots = timeout_s, num_workers * slots_per_worker
+        self.slots = [torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(slot_bytes))
+                      for _ in range(self.num_slots)]  # pages are allocated on first touch, once
+        self.turn = torch.empty(0, dtype=torch.int64).set_(torch.UntypedStorage._new_shared(8 * self.num_slots))
+        self.turn.copy_(torch.arange(self.num_slots) % slots_per_worker)
+        self._populated: set[int] = set()  # this process's slots with their pages mapped
+
+    def _slot(self, worker: int, n: int) -> int:
+        return worker * self.slots_per_worker + n % self.slots_per_worker
+
+    def acquire(self, worker: int, n: int) -> _SlotWriter:
+        """Worker `worker`'s slot for its batch `n`, once its batch n - slots_per_worker was released."""
+        slot, deadline = self._slot(worker, n), time.monotonic() + self.timeout_s
+        while (turn := int(self.turn[slot])) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"loader batch buffer {slot} still holds batch {turn} of worker {worker} after "
+                                   f"{self.timeout_s:.0f} s: a consumer of make_loader(reuse_buffers=True) must "
+                                   f"release each batch (loader.release(batch)) before it fetches the next")
+            time.sleep(0.0005)
+        if turn != n:
+            raise RuntimeError(f"loader batch buffer {slot}: batch {n} of worker {worker} came after {turn}")
+        if slot not in self._populated:
+            self._populated.add(slot)
+            _populate(self.slots[slot])
+        return _SlotWriter(self.slots[slot])
+
+    def release(self, worker: int, n: int) -> None:
+        """Worker `worker`'s batch `n` is no longer read: its slot goes to batch n + slots_per_worker."""
+        slot = self._slot(worker, n)
+        self.turn[slot] = max(int(self.turn[slot]), n + self.slots_per_worker)
+
+    def views(self, worker: int, n: int, layout: list[tuple]) -> dict[str, torch.Tensor]:
+        """The tensors a worker wrote into batch n's slot: {key: view} from its (key, dtype, shape, offset)."""
+        flat = self.slots[self._slot(worker, n)]
+        return {key: flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for key, dtype, shape, offset in layout}
+
+
+def _populate(flat: torch.Tensor) -> None:
+    """Maps a fresh slot's pages writable in one call (MADV_POPULATE_WRITE, Linux 5.14+: ~2.5x cheaper than a
+    fault per page); elsewhere the first write faults them in."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        start = flat.data_ptr() & ~4095
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(flat.data_ptr() + flat.numel() - start), 23)
+    except (OSError, AttributeError):
+        pass
+
+
+class _SlotWriter:
+    """Tensors carved one after another from a ring slot (64-byte aligned); None once the slot is full."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.used, self.layout = flat, 0, []
+
+    def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        offset, nbytes = -(-self.used // 64) * 64, math.prod(shape) * dtype.itemsize
+        if offset + nbytes > self.flat.numel():
+            return None
+        self.used = offset + nbytes
+        self.layout.append((key, dtype, tuple(shape), offset))
+        return self.flat[offset:offset + nbytes].view(dtype).view(shape)
+
+
+RING_KEY = "_ring"  # a batch's ring tag (worker, number); from a worker with where its tensors lie in the slot
+
+
 class PackedCollate:
     """speculators' CollateFn(preprocess=shift_batch), tensor for tensor, written once: each shifted sample is
-    copied into its rows of one buffer per key ([total_seq_len, ...], shared memory in a worker), hidden states in
-    their wire dtype, only the padding zeroed; `num_tokens` (the real tokens) is counted on the host. Batches mixing
-    stored dtypes, and batches without a usable sample, are left to speculators' CollateFn on decoded samples."""
+    copied into its rows of one buffer per key ([total_seq_len, ...], shared memory in a worker: a slot of `ring`
+    when the batch has a ring tag), hidden states in their wire dtype, only the padding zeroed;
+    `num_tokens` (the real tokens) is counted on the host. Batches mixing stored dtypes, and batches without a
+    usable sample, are left to speculators' CollateFn on decoded samples."""
 
-    def __init__(self, total_seq_len: int, hidden_size: int, num_aux: int, dtype: torch.dtype):
-        self.total_seq_len, self.dtype = total_seq_len, dtype
+    def __init__(self, total_seq_len: int, hidden_size: int, num_aux: int, dtype: torch.dtype,
+                 ring: BatchRing | None = None):
+        self.total_seq_len, self.dtype, self.ring = total_seq_len, dtype, ring
         self.reference = CollateFn(total_seq_len, hidden_size, num_target_layers=num_aux, dtype=dtype,
                                    preprocess=shift_batch)
 
     def __call__(self, items: list) -> dict:
+        tag = getattr(items, "tag", None)
+        ring_info = {} if tag is None else {RING_KEY: (*tag, [])}
         samples = [s for s in items if isinstance(s, dict)]
         if len({tuple((k, v.dtype) for k, v in s.items()) for s in samples}) != 1:
             batch = self.reference([decode(s, self.dtype) if isinstance(s, dict) else s for s in items])
-            return {**batch, "num_tokens": int((batch["document_ids"] != -1).sum())}
+            return {**batch, "num_tokens": int((batch["document_ids"] != -1).sum()), **ring_info}
         shifted = [_shift(s) for s in samples]
         rows, filled = [], 0  # rows each sample fills; the last one is cut at total_seq_len, later ones dropped
         for s in shifted:
@@ -318,26 +424,37 @@ class PackedCollate:
             filled += rows[-1]
             if filled == self.total_seq_len:
                 break
-        batch = {key: self._pack([s[key] for s in shifted], rows) for key in shifted[0]}
-        document_ids = torch.full((self.total_seq_len,), -1, dtype=torch.long)
-        document_ids[:filled] = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
-        batch["document_ids"] = document_ids.unsqueeze(0)  # shape: [1, total_seq_len]
+        in_worker = get_worker_info() is not None
+        slot = self.ring.acquire(*tag) if self.ring is not None and tag is not None and in_worker else None
+        batch = {key: self._pack(key, [s[key] for s in shifted], rows, slot) for key in shifted[0]}
+        document_ids = self._buffer(slot, "document_ids", (1, self.total_seq_len), torch.long)
+        document_ids[0, filled:] = -1
+        document_ids[0, :filled] = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+        batch["document_ids"] = document_ids  # shape: [1, total_seq_len]
         batch["error_records"] = len(items) - len(samples)
         unavailable = [s for s in items if isinstance(s, SampleUnavailable)]
         metadata = RecoveryMetadata.from_unavailable(unavailable, locally_empty=False)
         if metadata.failure_count:
             batch[RECOVERY_METADATA_KEY] = metadata
         batch["num_tokens"] = filled
-        return batch
+        if slot is not None:  # the slot's tensors stay behind: the training process views them in its mapping
+            for key, *_ in slot.layout:
+                del batch[key]
+            ring_info = {RING_KEY: (*tag, slot.layout)}
+        return {**batch, **ring_info}
 
-    def _pack(self, tensors: list[torch.Tensor], rows: list[int]) -> torch.Tensor:
-        out = _batch_buffer((self.total_seq_len, *tensors[0].shape[1:]), tensors[0].dtype)
+    def _buffer(self, slot: _SlotWriter | None, key: str, shape: tuple[int, ...], dtype: torch.dtype):
+        out = slot.take(key, shape, dtype) if slot is not None else None
+        return _batch_buffer(shape, dtype) if out is None else out
+
+    def _pack(self, key: str, tensors: list[torch.Tensor], rows: list[int], slot: _SlotWriter | None):
+        out = self._buffer(slot, key, (1, self.total_seq_len, *tensors[0].shape[1:]), tensors[0].dtype)
         offset = 0
         for t, n in zip(tensors, rows):
-            out[offset:offset + n] = t[:n]
+            out[0, offset:offset + n] = t[:n]
             offset += n
-        out[offset:].zero_()
-        return out.unsqueeze(0)  # shape: [1, total_seq_len, ...]
+        out[0, offset:].zero_()
+        return out  # shape: [1, total_seq_len, ...]
 
 
 def _shift(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -351,17 +468,97 @@ def _shift(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return shifted
 
 
+def ring_slot_bytes(total_seq_len: int, hidden_size: int, num_aux: int, dtype: torch.dtype) -> int:
+    """Bytes of one packed batch at most: hidden states in `dtype` (or fp8 + int8 exponents: fewer) and the four
+    int64 vectors, each tensor 64-byte aligned."""
+    per_token = (num_aux + 1) * (hidden_size * dtype.itemsize + 1) + 4 * 8
+    return total_seq_len * per_token + 16 * 64
+
+
+class _SeqSampler:
+    """A batch sampler's batches tagged (worker, number) for the BatchRing: the DataLoader deals an iteration's
+    batches to its workers round robin from worker 0, so the i-th goes to worker i % num_workers, which writes it
+    into its own slot (a wrong guess would cost speed, not correctness). `pending`: tags dispatched whose batch the
+    consumer has not received, with the iteration that dispatched them."""
+
+    def __init__(self, inner, num_workers: int):
+        self.inner, self.num_workers, self.iteration = inner, num_workers, 0
+        self.counts = [0] * num_workers
+        self.pending: dict[tuple[int, int], int] = {}
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):
+        with self.lock:
+            self.iteration += 1
+        return self._tagged(self.iteration)
+
+    def _tagged(self, iteration: int):
+        for i, indices in enumerate(self.inner):
+            worker = i % self.num_workers
+            with self.lock:
+                tag = (worker, self.counts[worker])
+                self.counts[worker] += 1
+                self.pending[tag] = iteration
+            yield _Indexed(indices, tag)
+
+
+class RingLoader:
+    """make_loader(reuse_buffers=True)'s loader: its workers pack each batch into a slot of a BatchRing, and its
+    batches' tensors are views of that slot, valid until `release(batch)`. The consumer must release every batch
+    it receives before it fetches the next one (train_worker.DeviceBatches does, right after its copy into pinned
+    memory). Batches the DataLoader drops when an iteration ends early are released when the next one starts."""
+
+    def __init__(self, loader: DataLoader, ring: BatchRing, sampler: _SeqSampler):
+        self.loader, self.ring, self._sampler = loader, ring, sampler
+        self.batch_sampler, self.dataset, self.num_workers = sampler.inner, loader.dataset, loader.num_workers
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        batches = iter(self.loader)  # persistent workers finish the previous iteration's batches before this returns
+        with self._sampler.lock:
+            dropped = [tag for tag, it in self._sampler.pending.items() if it < self._sampler.iteration]
+            for tag in dropped:
+                del self._sampler.pending[tag]
+        for tag in dropped:
+            self.ring.release(*tag)
+        for batch in batches:
+            worker, n, layout = batch.pop(RING_KEY)
+            with self._sampler.lock:
+                self._sampler.pending.pop((worker, n), None)
+            yield {**batch, **self.ring.views(worker, n, layout), RING_KEY: (worker, n)}
+
+    def release(self, batch: dict) -> None:
+        """The consumer no longer reads `batch`'s tensors: its slot may be written again."""
+        tag = batch.get(RING_KEY)
+        if tag is not None:
+            self.ring.release(*tag)
+
+
 def make_loader(dataset: ShardDataset, *, total_seq_len: int, hidden_size: int, world_size: int, rank: int,
-                seed: int, num_workers: int = 1, prefetch_factor: int = 2) -> DataLoader:
+                seed: int, num_workers: int = 1, prefetch_factor: int = 2,
+                reuse_buffers: bool = False) -> DataLoader | RingLoader:
     """Packed batches [1, total_seq_len, ...] for this rank (hidden states in the wire dtype: `decode` them on the
     device); call `loader.batch_sampler.set_epoch(e)` each epoch.
 
     speculators' sampler shuffles with seed + epoch and hands every rank the same number of batches, so DDP ranks
     stay in step. Loader worker processes read and pack the next batches (`prefetch_factor` each ahead) while the
     model trains; pinning and the copy to the GPU are train_worker.DeviceBatches' (a thread, not the DataLoader's
-    single-threaded pin loop)."""
+    single-threaded pin loop). `reuse_buffers` (with workers): a RingLoader, its batches packed into
+    prefetch_factor + 1 reused shared-memory buffers per worker (each batch released by the consumer)."""
     sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
                                                  num_replicas=world_size, rank=rank, seed=seed)
-    collate = PackedCollate(total_seq_len, hidden_size, dataset.num_aux, dataset.dtype)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, prefetch_factor=prefetch_factor if num_workers > 0 else None)
+    ring = None
+    if reuse_buffers and num_workers > 0:
+        sampler = _SeqSampler(sampler, num_workers)
+        ring = BatchRing(num_workers, prefetch_factor + 1,
+                         ring_slot_bytes(total_seq_len, hidden_size, dataset.num_aux, dataset.dtype))
+    collate = PackedCollate(total_seq_len, hidden_size, dataset.num_aux, dataset.dtype, ring)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers,
+                        persistent_workers=num_workers > 0,
+                        prefetch_factor=prefetch_factor if num_workers > 0 else None)
+    return loader if ring is None else RingLoader(loader, ring, sampler)

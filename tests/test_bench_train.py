@@ -44,11 +44,11 @@ def _tiny_run(tmp_path):
 
 
 def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: int, steps: int = 6,
-            old_collate: bool = False) -> list[float]:
+            old_collate: bool = False, reuse_buffers: bool = False) -> list[float]:
     """Loss per step of the worker's TrainStep (foreach AdamW, no sync per step, loader workers) or of the plain
     eager reference (per-parameter AdamW, a loss read every step, inline loading), same seed and data.
     `old_collate`: the batches of the data path before data.PackedCollate (speculators' CollateFn over samples
-    decoded on the host), same sampler."""
+    decoded on the host), same sampler. `reuse_buffers`: the CUDA path's loader (data.RingLoader) in DeviceBatches."""
     import json
     import os
 
@@ -67,6 +67,11 @@ def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: i
     refs, _ = data.load_refs(gen_dir)
     args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
     loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
+    if reuse_buffers:
+        ring = data.make_loader(loader.loader.dataset, total_seq_len=tc.total_seq_len,
+                                hidden_size=capture["hidden_size"], world_size=1, rank=0, seed=cfg.run.seed,
+                                num_workers=num_loader_workers, reuse_buffers=True)
+        loader = train_worker.DeviceBatches(ring, torch.device("cpu"), torch.float32)
     if old_collate:
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
@@ -110,20 +115,24 @@ def test_the_new_data_path_gives_the_old_data_paths_loss_sequence_exactly(tmp_pa
     gen_dir, vocab_dir = _tiny_run(tmp_path)
     before = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=0, old_collate=True)
     after = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
-    assert len(before) == len(after) >= 3 and before == after
+    reused = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2, reuse_buffers=True)
+    assert len(before) == len(after) >= 3 and before == after == reused
 
 
-def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host_counts(tmp_path):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host_counts(tmp_path, reuse):
     from eagle3_ray import data, train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
-    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.float32), total_seq_len=96, hidden_size=64,
-                              world_size=1, rank=0, seed=0, num_workers=1)
-    batches = train_worker.DeviceBatches(loader, torch.device("cpu"), torch.float32)
-    assert len(batches) == len(loader) and batches.batch_sampler is loader.batch_sampler
+    kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=1)
+    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.float32), **kwargs)
+    device_loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.float32), reuse_buffers=reuse, **kwargs)
+    batches = train_worker.DeviceBatches(device_loader, torch.device("cpu"), torch.float32)
+    assert len(batches) == len(loader) and batches.batch_sampler is device_loader.batch_sampler
     host_batches = list(loader)  # first: a loader with persistent workers has one iterator at a time
     for host, ready in zip(host_batches, batches, strict=True):
+        assert data.RING_KEY not in ready
         assert host["hidden_states"].dtype == torch.bfloat16 and ready["hidden_states"].dtype == torch.float32
         assert torch.equal(ready["hidden_states"], host["hidden_states"].float())
         assert ready["num_tokens"] == host["num_tokens"] == train_worker.batch_tokens(host) > 0
@@ -141,12 +150,14 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
         path = str(tmp_path / f"{ref.key}.fp8.safetensors")
         shards.write_shard(path, shards.encode_sample(ref.key, shards.read_sample(ref.shard_path, ref.key), "fp8"))
         ref.shard_path = path
-    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), total_seq_len=96, hidden_size=64,
-                              world_size=1, rank=0, seed=0, num_workers=2)
-    batches = train_worker.DeviceBatches(loader, torch.device("cuda"), torch.bfloat16)
+    kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=2)
+    loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), **kwargs)
+    ring = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), reuse_buffers=True, **kwargs)
+    batches = train_worker.DeviceBatches(ring, torch.device("cuda"), torch.bfloat16)  # make_loaders' CUDA loader
     for epoch in range(2):
         loader.batch_sampler.set_epoch(epoch)
-        host = [data.decode(b, torch.bfloat16) for b in loader]  # first: one loader iterator at a time
+        ring.batch_sampler.set_epoch(epoch)
+        host = [data.decode(b, torch.bfloat16) for b in loader]
         for i, (expected, got) in enumerate(zip(host, batches)):
             for k, v in expected.items():
                 if isinstance(v, torch.Tensor):

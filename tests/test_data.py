@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -171,9 +172,9 @@ def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
 
 @pytest.mark.parametrize("stored", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers,reuse", [(0, False), (2, False), (2, True)])
 def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_decoded_samples(
-        gen_dir, tmp_path, stored, dtype, num_workers):
+        gen_dir, tmp_path, stored, dtype, num_workers, reuse):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
@@ -182,10 +183,10 @@ def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_
     longest = max(r.num_tokens for r in refs)
     for total in (longest - 3, 3 * longest):  # the longest sample cut at the budget; several samples per batch
         loader = data.make_loader(ds, total_seq_len=total, hidden_size=256, world_size=1, rank=0, seed=0,
-                                  num_workers=num_workers, prefetch_factor=3)
+                                  num_workers=num_workers, prefetch_factor=3, reuse_buffers=reuse)
         before = CollateFn(total, 256, num_target_layers=3, dtype=dtype, preprocess=shift_batch)  # the old path
         groups = loader.batch_sampler._generate_batches(0)
-        batches = list(loader)
+        batches = _received(loader)
         assert len(batches) == len(groups) >= 3
         assert any(len(g) > 1 for g in groups) if total > longest else any(len(g) == 1 for g in groups)
         for group, batch in zip(groups, batches):
@@ -200,6 +201,84 @@ def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_
                     assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
                 else:
                     assert got[key] == value, key
+
+
+def _received(loader) -> list[dict]:
+    """The loader's batches as the consumer received them (copies, a RingLoader's released)."""
+    out = []
+    for batch in loader:
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+                    if k != data.RING_KEY})
+        getattr(loader, "release", lambda _batch: None)(batch)
+    return out
+
+
+def _assert_batches_equal(got: dict, expected: dict) -> None:
+    assert set(got) - {data.RING_KEY} == set(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "fp8"])
+def test_reused_batch_buffers_wrap_many_times_and_a_held_batch_is_never_overwritten(gen_dir, tmp_path, stored):
+    refs = _refs(gen_dir)[0] if stored == "bfloat16" else _fp8_copy(gen_dir, tmp_path)
+    ds = data.ShardDataset(refs, num_aux=3, dtype=torch.bfloat16)
+    total = max(r.num_tokens for r in refs)  # a small budget: many batches per epoch
+    kwargs = dict(total_seq_len=total, hidden_size=256, world_size=1, rank=0, seed=0)
+    plain = data.make_loader(ds, num_workers=0, **kwargs)
+    ring = data.make_loader(ds, num_workers=2, prefetch_factor=2, reuse_buffers=True, **kwargs)
+    assert isinstance(ring, data.RingLoader) and ring.ring.num_slots == 2 * 3 and len(ring) == len(plain)
+    ring.ring.timeout_s = 30.0  # a worker waiting for a slot fails the test instead of hanging it
+    for epoch in range(3):
+        for loader in (plain, ring):
+            loader.batch_sampler.set_epoch(epoch)
+        expected = list(plain)
+        assert len(expected) > 2 * ring.ring.num_slots  # every worker's slots wrap at least twice an epoch
+        for i, (want, got) in enumerate(zip(expected, ring, strict=True)):
+            if i % 3 == 0:  # held a while: the workers run ahead into every other slot meanwhile
+                time.sleep(0.1)
+            _assert_batches_equal(got, want)
+            ring.release(got)
+        if epoch == 1:  # an early stop: the batches the DataLoader drops are released by the next iteration
+            for i, got in enumerate(ring):
+                ring.release(got)
+                if i == 2:
+                    break
+            ring.batch_sampler.set_epoch(epoch)
+            assert len(_received(ring)) == len(expected)
+
+
+def test_a_consumer_holding_a_batch_past_its_turn_gets_an_error_and_the_batch_stays_intact(gen_dir):
+    refs, _ = _refs(gen_dir)
+    ds = data.ShardDataset(refs, num_aux=3, dtype=torch.bfloat16)
+    kwargs = dict(total_seq_len=max(r.num_tokens for r in refs), hidden_size=256, world_size=1, rank=0, seed=0)
+    expected = list(data.make_loader(ds, num_workers=0, **kwargs))
+    ring = data.make_loader(ds, num_workers=2, prefetch_factor=1, reuse_buffers=True, **kwargs)
+    ring.ring.timeout_s = 1.0
+    batches = iter(ring)
+    held = next(batches)  # never released: the worker due to write its slot waits, then fails
+    with pytest.raises(RuntimeError, match="must release each batch"):
+        for got in batches:
+            ring.release(got)
+    _assert_batches_equal(held, expected[0])
+
+
+def test_a_batch_buffer_is_written_only_after_the_batch_before_it_was_released():
+    ring = data.BatchRing(2, 2, 256, timeout_s=0.2)  # 2 workers, 2 slots each
+    first = ring.acquire(1, 0).take("x", (4,), torch.float32)
+    first.fill_(7.0)
+    ring.acquire(1, 1)
+    ring.acquire(0, 0)  # the other worker's slots are its own
+    with pytest.raises(RuntimeError, match="must release each batch"):
+        ring.acquire(1, 2)  # worker 1's first slot still holds its batch 0
+    assert torch.equal(ring.views(1, 0, [("x", torch.float32, (4,), 0)])["x"], torch.full((4,), 7.0))
+    ring.release(1, 0)
+    assert ring.acquire(1, 2).take("x", (4,), torch.float32).data_ptr() == first.data_ptr()
+    ring.release(1, 1)
+    assert ring.acquire(1, 3).take("y", (10 ** 6,), torch.uint8) is None  # too big for a slot: a fresh buffer
 
 
 def test_skipped_samples_are_counted_and_an_all_skipped_batch_is_speculators_empty_batch(gen_dir):
