@@ -1,13 +1,15 @@
 """Training throughput on one GPU: our train-stage step (eagle3_ray.train_worker's model build + data.py's loader)
 vs speculators' own Trainer (`python3 -m speculators.train`), on the same synthetic hidden states.
 
+    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --out /tmp/tb.json      # 8192, then 2048
     python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 8192 --out /tmp/tb_8192.json
-    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 2048 --out /tmp/tb_2048.json
     python3 bench/gpu_train_bench.py --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
 
-One total_seq_len per call keeps a call within the GPU machine's 10-minute limit; the synthetic data (--work) is
-written by the first call and reused by the next ones with the same sample arguments. Each side's row splits its
-step: data wait (host blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of the step).
+Both lengths (8192 first) with 20 timed steps after 10 warm-up ones per side are meant to fit one call of the GPU
+machine; the JSON is rewritten after each length, so a call cut short keeps the lengths it finished. The synthetic
+data (--work) is written by the first call and reused by the next ones with the same sample arguments. Each side's
+row splits its step: data wait (host blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of
+the step).
 
 The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is all Eagle3DraftModel loads from
 `verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
@@ -318,10 +320,10 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/train_bench")
     p.add_argument("--out", required=True, help="JSON results")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                   help="total_seq_len values (default 2048 8192; --tiny: 128 256); one per call fits 10 minutes")
+                   help="total_seq_len values (default 8192 2048; --tiny: 128 256)")
     p.add_argument("--num-samples", type=int, default=128)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (loader buffers fill up)")
     p.add_argument("--loader-workers", type=int, default=8, help="DataLoader workers, both sides")
     p.add_argument("--peak-tflops", type=float, default=788.0, help="dense bf16 peak of the GPU (H200: ~788)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
@@ -329,19 +331,26 @@ def main() -> None:
     use_gpu = torch.cuda.is_available() and not args.tiny
     shape, aux = (TINY, AUX_TINY) if args.tiny else (LLAMA31_8B, AUX_8B)
     draft_vocab = 256 if args.tiny else 32000
-    seq_lens = args.seq_lens or ([128, 256] if args.tiny else [2048, 8192])
+    seq_lens = args.seq_lens or ([128, 256] if args.tiny else [8192, 2048])
     num_samples, min_len, max_len = (24, 20, 60) if args.tiny else (args.num_samples, 256, 2048)
     os.makedirs(args.work, exist_ok=True)
     verifier = write_verifier(os.path.join(args.work, "verifier") if args.tiny else args.verifier, shape,
                               "cuda" if use_gpu else "cpu")
     gen_dir, spec_dir, vocab_dir = prepare_data(args.work, verifier, shape, aux, num_samples=num_samples,
                                                 min_len=min_len, max_len=max_len, draft_vocab=draft_vocab)
+    device = torch.cuda.get_device_name() if use_gpu else "cpu"
     rows = []
+
+    def write_results() -> None:
+        storage.write_json_atomic(args.out, {"device": device, "torch": torch.__version__, "tiny": args.tiny,
+                                             "num_samples": num_samples, "rows": rows})
+
     for seq_len in seq_lens:
         ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
                          num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers,
                          peak_flops=args.peak_tflops * 1e12)
         rows.append({"total_seq_len": seq_len, "impl": "ours (worker step)", **ours})
+        write_results()
         if not use_gpu:
             print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)
             continue
@@ -353,14 +362,15 @@ def main() -> None:
             print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
             _copy_log_next_to(args.out, args.work, seq_len)
             rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})
+            write_results()
             continue
         rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
         _copy_log_next_to(args.out, args.work, seq_len)
         rows[-2]["ratio_vs_speculators"] = ours["tokens_per_s"] / spec["tokens_per_s"]
+        write_results()
+        print_table(rows)
     print_table(rows)
-    device = torch.cuda.get_device_name() if use_gpu else "cpu"
-    storage.write_json_atomic(args.out, {"device": device, "torch": torch.__version__, "tiny": args.tiny,
-                                         "num_samples": num_samples, "rows": rows})
+    write_results()
 
 
 if __name__ == "__main__":
