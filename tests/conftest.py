@@ -44,6 +44,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in E2E_MODULES:
             item.add_marker(pytest.mark.e2e)
+    # `gpu` tests need CUDA: on a machine without it they are deselected (not skipped) and said so in the summary;
+    # `bash bench/gpu/run_checks.sh pytest_gpu` runs them on the H200.
+    import torch
+
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+            config._eagle3_gpu_deselected = len(gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if getattr(config, "_eagle3_gpu_deselected", 0):
+        terminalreporter.write_line(f"{config._eagle3_gpu_deselected} gpu test(s) deselected: no CUDA here "
+                                    "(bash bench/gpu/run_checks.sh pytest_gpu runs them on a GPU)")
 
 
 @pytest.fixture(scope="session")

@@ -140,7 +140,6 @@ def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(tmp_path):
     from eagle3_ray import data, shards, train_worker
 

@@ -96,6 +96,11 @@ step_train2() {
     cp "$runs/$(run_name)"/train/*/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null || true
 }
 
+step_pytest_gpu() {
+    # The suite's `gpu` tests (deselected on machines without CUDA): DeviceBatches' side-stream copies and decode.
+    "$PY" -m pytest -q -m gpu tests/test_bench_train.py
+}
+
 step_train_bench() {
     # Our training step vs speculators' Trainer on the same synthetic hidden states (total_seq_len 2048 and 8192).
     "$PY" bench/gpu_train_bench.py --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
