@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from eagle3_ray import storage
 from eagle3_ray.config import config_from_dict
-from eagle3_ray.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from eagle3_ray.engine import CONNECTOR_MODULE, CONNECTOR_NAME
 from eagle3_ray.tiny_verifier import build_tiny_verifier
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}

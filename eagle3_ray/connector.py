@@ -25,10 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-CONNECTOR_NAME = "CaptureConnector"
-CONNECTOR_MODULE = "eagle3_ray.connector"
-
-
 class _DoneEvent:
     """Stands in for the CUDA event of the parent's async copy: a synchronous CPU copy is done when it returns."""
 

@@ -31,11 +31,15 @@ from typing import Any
 
 from eagle3_ray import chat, commit, storage, telemetry
 from eagle3_ray.config import Config, config_from_dict
-from eagle3_ray.connector import CONNECTOR_MODULE, CONNECTOR_NAME
 from eagle3_ray.engine_loop import ByteBudget, RequestLoop
+from eagle3_ray.layers import text_config
 from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
 START_ERROR = "generate: the vLLM engine failed to start"
+# The project's KV connector (eagle3_ray/connector.py), named by module path so vLLM's workers import it; this module
+# does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
+CONNECTOR_NAME = "CaptureConnector"
+CONNECTOR_MODULE = "eagle3_ray.connector"
 
 
 def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str,
@@ -75,8 +79,6 @@ def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote
     if not kwargs.get("enforce_eager") or "custom_ops" in compilation or not _cpu_platform():
         return kwargs
     from transformers import AutoConfig
-
-    from eagle3_ray.layers import text_config
 
     try:
         hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
@@ -188,9 +190,6 @@ class EngineActor:
     def _bytes_per_token(self, verifier_path: str) -> int:
         """Scratch bytes of one captured token: layers x hidden x the model dtype (what the connector writes)."""
         from transformers import AutoConfig
-
-        from eagle3_ray.layers import text_config
-
         trust = self.cfg.verifier.trust_remote_code
         hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust))
         itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2

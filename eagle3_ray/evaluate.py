@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_ray import contract, report, stage, storage, tiny_verifier
+from eagle3_ray.engine import with_cpu_rotary_fix
 from eagle3_ray.config import Config, config_from_dict, versioned
 from eagle3_ray.ingest_formats import conversation_id
 from eagle3_ray.prompts import tiny_prompts
@@ -162,8 +163,6 @@ def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_spe
         args["speculative_config"] = {"method": "eagle3", "model": drafter_dir,
                                       "num_speculative_tokens": num_speculative_tokens}
     args.update(cfg.evaluate.engine_kwargs)
-    from eagle3_ray.engine import with_cpu_rotary_fix  # here: engine.py imports vLLM's connector module
-
     return with_cpu_rotary_fix(args, verifier_dir, cfg.verifier.trust_remote_code)
 
 

@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle3_ray import shards, stage, storage, telemetry
+from eagle3_ray.chat import ChatEncoder, user_turns
+from eagle3_ray.engine import EngineActor
 from eagle3_ray.config import Config, versioned
 from eagle3_ray.generate_output import capture_contract, clean_orphans, committed_ids, finalise
 from eagle3_ray.raycluster import ensure_ray
@@ -123,8 +125,6 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
 def chat_encoder(verifier_path: str, cfg: Config):
     from transformers import AutoTokenizer
 
-    from eagle3_ray.chat import ChatEncoder
-
     tok = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=cfg.verifier.trust_remote_code)
     return ChatEncoder(tok, cfg.generate.enable_thinking)
 
@@ -153,8 +153,6 @@ def resolve_mode(cfg: Config, units: list[Unit]) -> str:
     gen = cfg.generate
     if gen.mode != "auto":
         return gen.mode
-    from eagle3_ray.chat import user_turns
-
     output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
     prompt = sum(u.num_tokens for u in units) - output
     mode = "two_pass" if output > gen.two_pass_min_output_ratio * max(prompt, 1) else "generate"
@@ -188,8 +186,6 @@ def engine_pool_args(cfg: Config, created_pgs: list) -> dict[str, Any]:
 def _run_pool(cfg: Config, units: list[Unit], kind: str, verifier_path: str, layer_ids: list[int],
               out: str) -> dict[str, Any]:
     import ray
-
-    from eagle3_ray.engine import EngineActor
 
     items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens}
              for u in units]
