@@ -102,6 +102,10 @@ def read_bytes(uri: str) -> bytes:
 
 def write_bytes_atomic(uri: str, data: bytes) -> None:
     """Write to `<name>.tmp-<uuid>` and move into place, so the final name only ever holds a complete file."""
+    if is_local(uri):
+        with atomic_local_file(uri) as tmp, open(tmp, "wb") as f:
+            f.write(data)
+        return
     fs, path = resolve(uri)
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
@@ -113,8 +117,8 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
 
 @contextlib.contextmanager
 def atomic_local_file(uri: str):
-    """A temp path next to a local `uri` for the caller to write; moved into place when the block ends without an
-    error (removed otherwise), like write_bytes_atomic."""
+    """A temp path (`<name>.tmp-<uuid>`) next to a local `uri` for the caller to write; moved into place when the
+    block ends without an error, removed otherwise. Every local atomic write goes through it."""
     path = local_path(uri)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
