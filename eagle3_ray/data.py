@@ -203,29 +203,6 @@ def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, to
     return out
 
 
-def bad_row_counts(hs: torch.Tensor) -> dict[str, list[int]]:
-    """`zero_rows` and `nonfinite` per layer of stored hidden states [T, L, H], the two numbers
-    shards.capture_problem reads from shards.capture_stats, from two reductions over the stored dtype (capture_stats's
-    fp32 norms cost 5x more). fp8 bits: |q| == 0 is 0x00, NaN is 0x7f (e4m3fn has no inf; the power-of-two
-    exponents neither zero nor overflow a value), so a row's maximum of the low 7 bits says both."""
-    if hs.dtype == torch.float8_e4m3fn:
-        bits = hs.view(torch.uint8)
-        row_max = torch.empty(hs.shape[:2], dtype=torch.uint8)  # shape: [T, L]
-        chunk = torch.empty((min(256, hs.shape[0]), *hs.shape[1:]), dtype=torch.uint8)  # small, reused: no faults
-        for start in range(0, hs.shape[0], chunk.shape[0]):
-            part = chunk[: min(chunk.shape[0], hs.shape[0] - start)]
-            torch.bitwise_and(bits[start:start + part.shape[0]], 0x7F, out=part)
-            torch.amax(part, dim=-1, out=row_max[start:start + part.shape[0]])
-        zero, bad = row_max == 0, row_max == 0x7F
-    else:  # amax/amin propagate NaN; +inf shows in the max, -inf in the min
-        hi, lo = hs.amax(dim=-1), hs.amin(dim=-1)  # shape: [T, L]
-        zero, bad = (hi == 0) & (lo == 0), ~(torch.isfinite(hi) & torch.isfinite(lo))
-    nonfinite = [0] * hs.shape[1]
-    if bool(bad.any()):
-        nonfinite = (~torch.isfinite(hs[bad.any(dim=1)].float())).sum(dim=(0, 2)).tolist()
-    return {"zero_rows": zero.sum(dim=0).tolist(), "nonfinite": nonfinite}
-
-
 class ShardDataset(Dataset):
     """Samples read lazily from shards (memory-mapped when local, by byte range when remote): only the samples of the
     batches in flight are in memory. A sample holds its hidden states as views of the stored bytes in the wire dtype
@@ -287,7 +264,7 @@ class ShardDataset(Dataset):
                                  f"{ref.num_tokens} and {self.num_aux + 1} layers")
         if hs.dtype.itemsize > self.dtype.itemsize:
             hs = hs.to(self.dtype)  # fewer bytes to move; the capture check then sees what training sees
-        problem = shards.capture_problem(bad_row_counts(hs), ref.num_tokens, self.layer_ids, **self.bounds)
+        problem = shards.capture_problem(shards.bad_row_counts(hs), ref.num_tokens, self.layer_ids, **self.bounds)
         if problem:  # the generate stage's own check, again: shards may come from elsewhere or an older run
             raise BadSampleError(f"{where}: hidden states fail the capture check: {problem}")
         return hs, exp

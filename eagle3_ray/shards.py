@@ -159,6 +159,29 @@ def capture_stats(hidden_states: torch.Tensor) -> dict[str, list]:
             "norm_max": torch.where(rows_finite, norms, -torch.inf).amax(dim=0).tolist()}
 
 
+def bad_row_counts(hs: torch.Tensor) -> dict[str, list[int]]:
+    """`zero_rows` and `nonfinite` per layer of stored hidden states [T, L, H], the two numbers
+    capture_problem reads from capture_stats, from two reductions over the stored dtype (capture_stats's
+    fp32 norms cost 5x more). fp8 bits: |q| == 0 is 0x00, NaN is 0x7f (e4m3fn has no inf; the power-of-two
+    exponents neither zero nor overflow a value), so a row's maximum of the low 7 bits says both."""
+    if hs.dtype == torch.float8_e4m3fn:
+        bits = hs.view(torch.uint8)
+        row_max = torch.empty(hs.shape[:2], dtype=torch.uint8)  # shape: [T, L]
+        chunk = torch.empty((min(256, hs.shape[0]), *hs.shape[1:]), dtype=torch.uint8)  # small, reused: no faults
+        for start in range(0, hs.shape[0], chunk.shape[0]):
+            part = chunk[: min(chunk.shape[0], hs.shape[0] - start)]
+            torch.bitwise_and(bits[start:start + part.shape[0]], 0x7F, out=part)
+            torch.amax(part, dim=-1, out=row_max[start:start + part.shape[0]])
+        zero, bad = row_max == 0, row_max == 0x7F
+    else:  # amax/amin propagate NaN; +inf shows in the max, -inf in the min
+        hi, lo = hs.amax(dim=-1), hs.amin(dim=-1)  # shape: [T, L]
+        zero, bad = (hi == 0) & (lo == 0), ~(torch.isfinite(hi) & torch.isfinite(lo))
+    nonfinite = [0] * hs.shape[1]
+    if bool(bad.any()):
+        nonfinite = (~torch.isfinite(hs[bad.any(dim=1)].float())).sum(dim=(0, 2)).tolist()
+    return {"zero_rows": zero.sum(dim=0).tolist(), "nonfinite": nonfinite}
+
+
 def capture_problem(stats: dict[str, list], num_tokens: int, layer_ids: list[int], *, max_zero_row_share: float,
                     max_nonfinite_values: int) -> str | None:
     """What is wrong with a sample's capture (from `capture_stats`), naming the layer id, or None. vLLM has handed

@@ -310,6 +310,6 @@ def test_the_loaders_capture_check_counts_what_the_generate_stage_check_counts(s
     q = encoded["k.hs"]
     reference = hs.to(torch.bfloat16) if stored == "bfloat16" else shards.dequantize_fp8(q, encoded["k.scale"])
     expected = shards.capture_stats(reference)
-    got = data.bad_row_counts(q)
+    got = shards.bad_row_counts(q)
     assert got["zero_rows"] == expected["zero_rows"] == [1, 0, 0, 64]
     assert got["nonfinite"] == expected["nonfinite"] and sum(got["nonfinite"]) >= 4
