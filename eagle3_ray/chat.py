@@ -98,6 +98,7 @@ class Conversation:
         # commit.CaptureWriter: the final capture read, as (stats, encoded) or the error reading it raised
         self.prepared: tuple | BaseException | None = None
         self.prepare_lock = threading.Lock()
+        self.shard: tuple | None = None  # (commit.ShardPlan, shard index) of a prefill unit's planned shards
 
     def start(self):
         if self.sample.get("status") == "rejected":  # two_pass: rejected by the first pass

@@ -4,6 +4,8 @@ goes on with other requests.
 
     engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
     engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
+    prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
+    fixes their shards up front, and each shard is written by the thread that prepares its last sample
     ShardSink       shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
     GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
     (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
@@ -49,6 +51,12 @@ def encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch
     if dtype == "float32":  # exact storage, for checks against a reference forward pass
         return {f"{key}.hs": hidden_states.float().contiguous()}
     return shards.encode_sample(key, hidden_states, dtype)
+
+
+def stored_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of one token's hidden states as `encode` stores them (fp8: values plus one exponent byte per layer)."""
+    per_value = {"float32": 4, "bfloat16": 2, "fp8": 1}[dtype]
+    return num_layers * (hidden_size * per_value + (dtype == "fp8"))
 
 
 def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: list[int], shard: str) -> None:
@@ -112,14 +120,6 @@ class CaptureWriter:
             else:
                 self._commit(*job)
 
-    def _commit(self, unit_id: str, convs: list, sink: Any, future: asyncio.Future) -> None:
-        try:
-            result = sink.write(unit_id, *self._read(convs))
-        except BaseException as e:  # the unit fails with it; the actor and its engine go on
-            future.get_loop().call_soon_threadsafe(_set, future, None, e)
-        else:
-            future.get_loop().call_soon_threadsafe(_set, future, result, None)
-
     def _prepare(self, conv: Any) -> None:
         """Once per conversation, whichever thread comes first; a second caller waits for the first to finish.
         A failure is kept and raised by the unit's commit."""
@@ -133,17 +133,33 @@ class CaptureWriter:
                 conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
             except BaseException as e:
                 conv.prepared = e
+                return
+            if conv.shard is not None:  # still under the lock: a commit reading this conversation waits for the shard
+                conv.shard[0].prepared(conv.shard[1])
+
+    def _commit(self, unit_id: str, convs: list, sink: Any, future: asyncio.Future) -> None:
+        try:
+            records, encoded, stats = self._read(convs)
+            plans = {id(c.shard[0]): c.shard[0] for c in convs if c.shard is not None}
+            shard_bytes = {k: v for p in plans.values() for k, v in p.shard_bytes().items()} if plans else None
+            result = sink.write(unit_id, records, encoded, stats, shard_bytes)
+        except BaseException as e:  # the unit fails with it; the actor and its engine go on
+            future.get_loop().call_soon_threadsafe(_set, future, None, e)
+        else:
+            future.get_loop().call_soon_threadsafe(_set, future, result, None)
 
     def _read(self, convs: list) -> tuple[list[dict], dict[str, dict], dict[str, dict]]:
-        """records; encoded tensors and capture stats by sample id (ok samples of a capture engine only)."""
+        """records; encoded tensors and capture stats by sample id (ok samples of a capture engine only, less those a
+        ShardPlan wrote already)."""
         records, encoded, stats = [c.record for c in convs], {}, {}
         for c in convs:
             if c.record["status"] == "ok" and c.capture_path:
                 self._prepare(c)
                 if isinstance(c.prepared, BaseException):
                     raise c.prepared
-                stats[c.record["id"]], encoded[c.record["id"]] = c.prepared
-                c.prepared = ()  # the sink holds the tensors now; the conversation lets go of them
+                if c.shard is None:  # a planned sample's shard is written; its plan lets go of the tensors
+                    stats[c.record["id"]], encoded[c.record["id"]] = c.prepared
+                    c.prepared = ()  # the sink holds the tensors now; the conversation lets go of them
         return records, encoded, stats
 
 
@@ -167,30 +183,86 @@ class ShardSink:
         uri = self.part_uri(unit_id)
         return summaries(storage.read_parquet(uri).to_pylist(), {}) if storage.exists(uri) else None
 
-    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> list[dict]:
-        shard_bytes = self.write_shards(unit_id, records, encoded, stats)
+    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict,
+              shard_bytes: dict[str, int] | None = None) -> list[dict]:
+        """shard_bytes: the unit's shards a ShardPlan wrote already (their samples are not in `encoded`)."""
+        shard_bytes = {**(shard_bytes or {}), **self.write_shards(unit_id, records, encoded, stats)}
         storage.write_parquet_atomic(self.part_uri(unit_id), pa.Table.from_pylist(records, schema=PART_SCHEMA))
         return summaries(records, shard_bytes)
 
     def write_shards(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> dict[str, int]:
-        """Group the unit's samples by bytes, check each, write each shard atomically; fill the manifest columns."""
+        """Group the unit's encoded samples by bytes and write a shard of each group."""
         ok = [r for r in records if r["id"] in encoded]
         groups = shards.greedy_groups([shards.tensor_bytes(encoded[r["id"]]) for r in ok],
                                       self.cfg.generate.shard_max_bytes)
-        shard_bytes: dict[str, int] = {}
-        for j, group in enumerate(groups):
-            name = f"{unit_id}-{j:04d}.safetensors"
-            for i in group:
-                check_sample(self.cfg, ok[i], stats[ok[i]["id"]], self.layer_ids, name)
-            tensors = {k: v for i in group for k, v in encoded[ok[i]["id"]].items()}
-            shard_bytes[name] = shards.write_shard(storage.join(self.out_dir, "shards", name), tensors,
-                                                   metadata={"unit_id": unit_id})
-            for i in group:
-                r, hs = ok[i], encoded[ok[i]["id"]][f"{ok[i]['id']}.hs"]
-                r.update(shard=name, key=r["id"], hidden_size=hs.shape[2], layer_ids=self.layer_ids,
-                         dtype=str(hs.dtype).removeprefix("torch."),
-                         **{f"hs_{k}": v for k, v in stats[r["id"]].items()})
-        return shard_bytes
+        return {name: self.write_shard(name, [ok[i] for i in group], encoded, stats)
+                for name, group in zip(shard_names(unit_id, len(groups)), groups)}
+
+    def write_shard(self, name: str, records: list[dict], encoded: dict, stats: dict) -> int:
+        """Check each sample, write the shard atomically, fill the samples' manifest columns; returns its bytes."""
+        unit_id = records[0]["unit_id"]
+        for r in records:
+            check_sample(self.cfg, r, stats[r["id"]], self.layer_ids, name)
+        tensors = {k: v for r in records for k, v in encoded[r["id"]].items()}
+        num_bytes = shards.write_shard(storage.join(self.out_dir, "shards", name), tensors,
+                                       metadata={"unit_id": unit_id})
+        for r in records:
+            hs = encoded[r["id"]][f"{r['id']}.hs"]
+            r.update(shard=name, key=r["id"], hidden_size=hs.shape[2], layer_ids=self.layer_ids,
+                     dtype=str(hs.dtype).removeprefix("torch."), **{f"hs_{k}": v for k, v in stats[r["id"]].items()})
+        return num_bytes
+
+
+def shard_names(unit_id: str, num_shards: int, first: int = 0) -> list[str]:
+    return [f"{unit_id}-{j:04d}.safetensors" for j in range(first, first + num_shards)]
+
+
+class ShardPlan:
+    """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
+    made (`_num_captured`), so the samples are grouped by their stored bytes up front, in the unit's order, and the
+    writer thread that prepares a shard's last sample writes the shard, while the engine prefills the rest of the
+    unit. Each planned conversation gets `conv.shard = (plan, group index)`; the unit's commit then writes only its
+    part file (ShardSink.write with `shard_bytes()`)."""
+
+    def __init__(self, sink: ShardSink, unit_id: str, convs: list, bytes_per_token: int):
+        sizes = [c.record["_num_captured"] * bytes_per_token for c in convs]
+        groups = shards.greedy_groups(sizes, sink.cfg.generate.shard_max_bytes)
+        self.sink, self.lock = sink, threading.Lock()
+        self.groups = [[convs[i] for i in g] for g in groups]
+        self.names = shard_names(unit_id, len(groups))
+        self.left = [len(g) for g in groups]  # samples of each shard not yet prepared
+        self.written: dict[str, int] = {}
+        self.error: BaseException | None = None
+        for j, group in enumerate(self.groups):
+            for conv in group:
+                conv.shard = (self, j)
+
+    def prepared(self, j: int) -> None:
+        """A sample of shard j is prepared (its writer thread, under the conversation's prepare lock)."""
+        with self.lock:
+            self.left[j] -= 1
+            if self.left[j] or self.error is not None:
+                return
+        convs = self.groups[j]
+        try:
+            num_bytes = self.sink.write_shard(self.names[j], [c.record for c in convs],
+                                              {c.record["id"]: c.prepared[1] for c in convs},
+                                              {c.record["id"]: c.prepared[0] for c in convs})
+        except BaseException as e:  # raised by the unit's commit
+            with self.lock:
+                self.error = self.error or e
+            return
+        with self.lock:
+            self.written[self.names[j]] = num_bytes
+        for c in convs:
+            c.prepared = ()  # in the shard now: the tensors can go
+
+    def shard_bytes(self) -> dict[str, int]:
+        """At the unit's commit, after every sample was prepared: the shards' bytes, or the first failure."""
+        if self.error is not None:
+            raise self.error
+        assert len(self.written) == len(self.names), f"unwritten shards: {set(self.names) - set(self.written)}"
+        return self.written
 
 
 class GeneratedSink:
@@ -204,8 +276,9 @@ class GeneratedSink:
         uri = storage.join(self.out_dir, "generated", f"{unit_id}.parquet")
         return summaries(storage.read_parquet(uri).to_pylist(), {}) if storage.exists(uri) else None
 
-    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> list[dict]:
-        assert not encoded, "the first pass of two_pass captures nothing"
+    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict,
+              shard_bytes: dict[str, int] | None = None) -> list[dict]:
+        assert not encoded and not shard_bytes, "the first pass of two_pass captures nothing"
         uri = storage.join(self.out_dir, "generated", f"{unit_id}.parquet")
         storage.write_parquet_atomic(uri, pa.Table.from_pylist(records, schema=PART_SCHEMA))
         return summaries(records, {})

@@ -6,6 +6,8 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
         -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
         -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
            or stream rows)
+    A prefill unit's shards are planned when its requests are made (commit.ShardPlan) and each is written as soon
+    as its samples are prepared, so only the last shard and the part file follow the unit's last request.
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
@@ -175,7 +177,11 @@ class EngineActor:
         tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code)
         self.chat = chat.ChatEncoder(tokenizer, self.cfg.generate.enable_thinking)
         self.sink = self.make_sink()
-        self.bytes_per_token = self._bytes_per_token(verifier_path) if kind != "plain" else 0
+        hidden_size = self._hidden_size(verifier_path) if kind != "plain" else 0
+        itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
+        self.bytes_per_token = len(layer_ids) * hidden_size * itemsize  # what the connector writes per token
+        self.stored_bytes_per_token = commit.stored_bytes_per_token(len(layer_ids), hidden_size,
+                                                                    self.cfg.generate.hidden_states_dtype)
         self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
         self.requests = RequestLoop(self.llm.llm_engine)
@@ -187,13 +193,10 @@ class EngineActor:
             return commit.GeneratedSink(self.out_dir)
         return commit.ShardSink(self.cfg, self.out_dir, self.layer_ids)
 
-    def _bytes_per_token(self, verifier_path: str) -> int:
-        """Scratch bytes of one captured token: layers x hidden x the model dtype (what the connector writes)."""
+    def _hidden_size(self, verifier_path: str) -> int:
         from transformers import AutoConfig
         trust = self.cfg.verifier.trust_remote_code
-        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust))
-        itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
-        return len(self.layer_ids) * hf.hidden_size * itemsize
+        return text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust)).hidden_size
 
     def _record_pids(self) -> list:
         """engines/<incarnation>.json: this actor's and its engine processes' pids, for operators (and the fault
@@ -201,8 +204,9 @@ class EngineActor:
         import psutil
 
         children = psutil.Process().children(recursive=True)
+        self.ready_time = time.time()
         info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch,
-                "kind": self.kind, "start_time": self.start_time, "ready_time": time.time()}
+                "kind": self.kind, "start_time": self.start_time, "ready_time": self.ready_time}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
         telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
         return [p for p in children if "VLLM" in p.name() + " ".join(p.cmdline())]
@@ -220,18 +224,22 @@ class EngineActor:
         done = self.sink.committed(unit_id)
         if done is not None:  # a retry of a unit that committed before its actor died
             return done
+        arrived = time.time()
         num_bytes = num_tokens * self.bytes_per_token
         await self.budget.acquire(num_bytes, unit_id)
         try:
-            start = time.monotonic()
+            start = time.time()
             convs = await self._run_conversations(unit_id, samples)
-            engine_s = time.monotonic() - start
+            engine_done = time.time()
             rows = await self.writer.commit(unit_id, convs, self.sink)
         finally:
             await self.budget.release(num_bytes)
         shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
-        telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples), engine_s=round(engine_s, 3),
-                      commit_s=round(time.monotonic() - start - engine_s, 3), time=round(time.time(), 3))
+        # seconds since this engine was ready: when the unit arrived, got its bytes, finished its requests, committed
+        telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
+                      **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
+                                                                     ("engine_done_s", engine_done),
+                                                                     ("committed_s", time.time()))})
         return rows
 
     def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]]) -> asyncio.Future:
@@ -261,6 +269,9 @@ class EngineActor:
             return follow
 
         first = [req for conv in convs for req in advance(conv, conv.start())]
+        if self.kind == "prefill" and isinstance(self.sink, commit.ShardSink):  # every T is known: plan the shards
+            commit.ShardPlan(self.sink, unit_id, [c for c in convs if c.capture_path and c.record["status"] == "ok"],
+                             self.stored_bytes_per_token)
         if not convs:
             future.set_result([])
         self.requests.submit(first)

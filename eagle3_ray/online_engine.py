@@ -59,7 +59,9 @@ class StreamSink:
             return None
         return self._cached_rows(self.cache.part_uri(unit_id))
 
-    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> list[dict]:
+    def write(self, unit_id: str, records: list[dict], encoded: dict, stats: dict,
+              shard_bytes: dict[str, int] | None = None) -> list[dict]:
+        assert shard_bytes is None, "stream rows need every sample's tensors: no ShardPlan"
         ok = [r for r in records if r["id"] in encoded]
         if self.cache:
             self.cache.write(unit_id, records, encoded, stats)  # checks every sample

@@ -312,6 +312,14 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
+def test_planned_shard_sizes_are_the_bytes_the_encoded_samples_take(dtype):
+    from eagle3_ray.commit import encode, stored_bytes_per_token
+
+    hs = torch.randn(7, 3, 16)  # shape: [T, L, H]
+    assert shards.tensor_bytes(encode("s", hs, dtype)) == 7 * stored_bytes_per_token(3, 16, dtype)
+
+
 def test_generate_summary_records_per_layer_capture_stats(fp32_run):
     stats = fp32_run[2]["capture_stats"]
     assert sorted(stats) == ["1", "3", "4", "6"]

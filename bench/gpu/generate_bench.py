@@ -121,6 +121,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     cfg = make_cfg(args, args.work, mode, out_len)
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     write_ingest(cfg, args, mode, out_len)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every unit_committed line reaches this log
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
     try:
         summary = run(cfg)
@@ -197,6 +198,8 @@ def run_child(args, mode: str, out_len: int) -> dict:
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = results[-1] if proc.returncode == 0 and results else \
         {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
+    if mode.startswith("stage_"):
+        result["unit_log"] = unit_log(proc.stdout)
     if "error" in result:
         sys.stdout.write(proc.stdout[-5000:])
     print("RESULT " + json.dumps(result), flush=True)
@@ -204,6 +207,17 @@ def run_child(args, mode: str, out_len: int) -> dict:
         with Path(args.out).with_suffix(".jsonl").open("a") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def unit_log(log: str) -> list[dict]:
+    """The engine actors' `unit_committed` lines: per unit, seconds since its engine was ready when it arrived,
+    got its capture bytes, finished its last request and committed (where a tail after the engine comes from)."""
+    rows = []
+    for line in log.splitlines():
+        if "[eagle3 generate] unit_committed" in line:
+            fields = dict(kv.split("=", 1) for kv in line.split("unit_committed", 1)[1].split())
+            rows.append({k: v if k == "unit" else float(v) for k, v in fields.items()})
+    return sorted(rows, key=lambda r: r.get("committed_s", 0.0))
 
 
 def ratios(results: list[dict], out_len: int) -> dict:
