@@ -5,6 +5,8 @@
 #   generate       ingest + generate stages through ray_jobs/pipeline.py with bench/gpu/h200_llama3_8b.yaml
 #   check          captured hidden states vs a transformers forward pass (bench/gpu/check_capture.py)
 #   capture_bench  plain vLLM prefill vs prefill + capture through our connector, and the roofline
+#   train_bench    our training step vs speculators' Trainer (bench/gpu_train_bench.py), 8192 then 2048
+#   train_pipeline the pipeline's own training on train_bench's samples vs that bench's rate (after train_bench)
 #   generate_bench the generate stage (generate, two_pass, capture_only) vs plain vLLM generation, the engine with
 #                  capture in one call and connector-level prefill capture, same prompts (bench/gpu/generate_bench.py)
 #
@@ -103,7 +105,15 @@ step_pytest_gpu() {
 
 step_train_bench() {
     # Our training step vs speculators' Trainer on the same synthetic hidden states (total_seq_len 2048 and 8192).
+    # shellcheck disable=SC2086  # E3R_TRAIN_BENCH_ARGS is a list of arguments
     "$PY" bench/gpu_train_bench.py --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
+    cp "$OUT/train_bench.json" "/tmp/train_bench/results-$(date +%s).json"  # for train_pipeline in a later call
+}
+
+step_train_pipeline() {
+    # The pipeline's own training (Ray Train, one GPU worker) on the train bench's samples, vs the bench's rate.
+    "$PY" bench/gpu/train_pipeline_bench.py --seq-len "${E3R_TRAIN_SEQ_LEN:-8192}" --out "$OUT/train_pipeline.json" \
+        --bench /tmp/train_bench/results-*.json
 }
 
 [ $# -gt 0 ] || { echo "usage: $0 verifier|generate|check|capture_bench|generate_bench ..." >&2; exit 2; }
