@@ -47,7 +47,7 @@ def make_cfg(args, work: str, mode: str, out_len: int):
                      "num_cpus_per_replica": args.num_cpus_per_replica,
                      "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
                      "writer_threads": args.writer_threads,
-                     "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": 1 << 30}})
+                     "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": args.shard_max_bytes}})
 
 
 def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
@@ -144,6 +144,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
             "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines], "prompt_tokens": prompt_tokens,
             "scratch_dirs": sorted({os.path.dirname(e["scratch"]) for e in engines}),
             "units": unit_timings(out), "writer_threads": cfg.generate.writer_threads,
+            "shard_max_bytes": cfg.generate.shard_max_bytes,
             "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
             "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
             "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats")}
@@ -216,7 +217,7 @@ def unit_log(log: str) -> list[dict]:
     for line in log.splitlines():
         if "[eagle3 generate] unit_committed" in line:
             fields = dict(kv.split("=", 1) for kv in line.split("unit_committed", 1)[1].split())
-            rows.append({k: v if k == "unit" else float(v) for k, v in fields.items()})
+            rows.append({k: v if k == "unit" else int(v) if v.isdigit() else float(v) for k, v in fields.items()})
     return sorted(rows, key=lambda r: r.get("committed_s", 0.0))
 
 
@@ -263,6 +264,7 @@ def parse_args():
     p.add_argument("--units-in-flight", type=int, default=64)
     p.add_argument("--capture-buffer-bytes", type=int, default=None, help="default 48 GiB on GPU, 2 GiB on CPU")
     p.add_argument("--max-batch-tokens", type=int, default=16384)
+    p.add_argument("--shard-max-bytes", type=int, default=1 << 30, help="generate.shard_max_bytes of the stage")
     p.add_argument("--drop-shards", action="store_true", help="delete each stage run's shards once measured (disk)")
     p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")

@@ -67,7 +67,10 @@ PY
 step_check() {
     # --fp32-reference: judged against the same weights in fp32, next to transformers' own bf16 error (the 8B-shaped
     # random verifier drifts 1-6% in bf16 with depth); the per-token lines show a misplaced block as an offset.
-    "$PY" bench/gpu/check_capture.py "$runs/$(run_name)" --num-samples 4 --fp32-reference --out "$OUT/check_capture.json"
+    # E3R_CHECK_RUN: another run dir, e.g. one generate_bench kept (/tmp/generate_bench/two_pass-256)
+    local run="${E3R_CHECK_RUN:-$runs/$(run_name)}"
+    "$PY" bench/gpu/check_capture.py "$run" --num-samples 4 --fp32-reference \
+        --out "$OUT/check_capture-$(basename "$run").json"
 }
 
 step_capture_bench() {
