@@ -224,6 +224,12 @@ class TrainConfig:
     """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
     loss_implementation: str = "auto"
     """speculators loss: `auto` (eager on CPU, fused on GPU), `eager`, `fused`."""
+    compile: Literal["auto", "off", "on"] = field(default="auto", metadata=NOT_IN_VERSION)
+    """torch.compile of the drafter's forward (train_worker.compile_forward). `auto`: speculators' own choice, which
+    compiles it (inductor, default mode) whenever CUDA is present and runs it eagerly otherwise; `on`: compiled on
+    any device (on CPU inductor needs a C++ compiler); `off`: eager everywhere. speculators' forward loops over the
+    TTT steps around graph breaks, so dynamo runs that loop eagerly and compiles the frames it calls (each decoder
+    layer as two graphs, rotary, norms, the loss metrics). Changes speed, not results (tests/test_bench_train.py)."""
     val_fraction: float = 0.1
     """Fraction of samples (by id hash) held out for validation."""
     log_every_steps: int = field(default=10, metadata=NOT_IN_VERSION)
@@ -278,6 +284,7 @@ class TrainConfig:
                f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}")
         _check(self.loss_implementation in ("auto", "eager", "fused"), "train.loss_implementation",
                f"must be auto, eager or fused, got {self.loss_implementation!r}")
+        _check(self.compile in ("auto", "off", "on"), "train.compile", f"must be auto, off or on, got {self.compile!r}")
         _check(self.online_max_samples is None or self.online_max_samples >= 1, "train.online_max_samples",
                "must be >= 1 or null")
         _check(self.online_buffer_bytes >= 1 << 20, "train.online_buffer_bytes", "must be >= 1 MiB")

@@ -14,6 +14,7 @@ import signal
 import tempfile
 import threading
 import time
+import types
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,20 @@ def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device
         verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=tc.draft_vocab_size,
         norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=tc.ttt_steps,
         verifier_name_or_path=verifier, target_layer_ids=capture["aux_layer_ids"], draft_attn_impl=attn)
+    compile_forward(model, tc.compile)
     return model.to(device)
+
+
+def compile_forward(model: Eagle3DraftModel, mode: str) -> None:
+    """train.compile on this drafter. speculators wraps Eagle3DraftModel.forward in torch.compile at import when
+    CUDA is present, and `auto` keeps that; `on` / `off` set the compiled / plain function on this instance, so the
+    state_dict keys stay as they are and DDP (ray.train.torch.prepare_model, later) wraps the module as before.
+    Dynamo compiles at the first call, the first step's forward and backward."""
+    if mode == "auto":
+        return
+    forward = Eagle3DraftModel.forward
+    forward = getattr(forward, "_torchdynamo_orig_callable", forward)  # the function under speculators' compile
+    model.forward = types.MethodType(torch.compile(forward) if mode == "on" else forward, model)
 
 
 def loss_kwargs(cfg: Config) -> dict[str, Any]:

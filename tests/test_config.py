@@ -75,6 +75,7 @@ def test_unknown_key_names_it_and_suggests_the_closest(override, message):
     ("train.epochs=zero", "train.epochs"),
     ("train.epochs=0", "train.epochs"),
     ("train.epochs=true", "train.epochs"),
+    ("train.compile=fast", "train.compile"),
     ("ingest.turns=some", "ingest.turns"),
     ("ingest.max_prompt_tokens=-1", "ingest.max_prompt_tokens"),
     ("ingest.num_workers=0", "ingest.num_workers"),
