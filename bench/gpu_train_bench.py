@@ -9,7 +9,11 @@ Both lengths (8192 first) with 20 timed steps after 10 warm-up ones per side are
 machine; the JSON is rewritten after each length, so a call cut short keeps the lengths it finished. The synthetic
 data (--work) is written by the first call and reused by the next ones with the same sample arguments. Each side's
 row splits its step: data wait (host blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of
-the step).
+the step). `--compile both` (the default) times our step twice at each length, `ours (compiled)` (train.compile on:
+the drafter's forward under torch.compile, as speculators sets it on CUDA, which is also train.compile auto there)
+and `ours (eager)` (train.compile off), next to one speculators run; dynamo compiles in the first warm-up step.
+The eager row runs last at each length: speculators' flex attention is compiled only inside that forward, so eager
+it materializes the full score matrix (slow, and at 8192 it may run out of memory: the row then records the error).
 
 The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is all Eagle3DraftModel loads from
 `verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
@@ -198,9 +202,11 @@ def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) 
 
 def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, use_gpu: bool,
               num_steps: int, warmup: int, attn_impl: str = "auto", num_loader_workers: int | None = None,
-              peak_flops: float = 0.0) -> dict:
+              peak_flops: float = 0.0, compile_mode: str = "auto") -> dict:
     """The train worker's own pieces, one process, no Ray Train: train_worker.build_model, make_optimizer,
-    make_loaders over the samples the driver would hand it (data.load_refs) and TrainStep, the worker's step."""
+    make_loaders over the samples the driver would hand it (data.load_refs) and TrainStep, the worker's step.
+    `compile_mode` is train.compile; dynamo's caches are cleared first, so a compiled run compiles for its own
+    total_seq_len (after another length dynamo would recompile with dynamic shapes), in the first warm-up step."""
     from eagle3_ray import data, train_worker
     from eagle3_ray.config import Config
 
@@ -209,9 +215,11 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     tc.use_gpu, tc.total_seq_len, tc.draft_vocab_size, tc.ttt_steps, tc.num_draft_layers = (
         use_gpu, total_seq_len, draft_vocab, 3, 1)
     tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
+    tc.compile = compile_mode
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
     cfg.verifier.path = capture["verifier_path"]
     device = torch.device("cuda" if use_gpu else "cpu")
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -327,6 +335,8 @@ def main() -> None:
     p.add_argument("--loader-workers", type=int, default=8, help="DataLoader workers, both sides")
     p.add_argument("--peak-tflops", type=float, default=788.0, help="dense bf16 peak of the GPU (H200: ~788)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="both",
+                   help="our side with train.compile on, off (eager), or both next to the same speculators run")
     args = p.parse_args()
     use_gpu = torch.cuda.is_available() and not args.tiny
     shape, aux = (TINY, AUX_TINY) if args.tiny else (LLAMA31_8B, AUX_8B)
@@ -345,28 +355,45 @@ def main() -> None:
         storage.write_json_atomic(args.out, {"device": device, "torch": torch.__version__, "tiny": args.tiny,
                                              "num_samples": num_samples, "rows": rows})
 
+    def ours_row(seq_len: int, mode: str) -> dict:
+        impl = "ours (compiled)" if mode == "on" else "ours (eager)"
+        try:
+            ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
+                             num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers,
+                             peak_flops=args.peak_tflops * 1e12, compile_mode=mode)
+        except RuntimeError as e:  # a compile error, or out of memory: eager flex attention materializes the scores
+            print(f"{impl} at total_seq_len={seq_len} failed: {e}", flush=True)
+            if use_gpu:
+                torch.cuda.empty_cache()
+            return {"total_seq_len": seq_len, "impl": impl, "compile": mode, "error": str(e)[-2000:]}
+        return {"total_seq_len": seq_len, "impl": impl, "compile": mode, **ours}
+
+    # compiled, then speculators, then eager: a slow or failed eager row cannot cost the other two
     for seq_len in seq_lens:
-        ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
-                         num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers,
-                         peak_flops=args.peak_tflops * 1e12)
-        rows.append({"total_seq_len": seq_len, "impl": "ours (worker step)", **ours})
-        write_results()
+        ours_rows, spec = [], None
+        if args.compile in ("on", "both"):
+            ours_rows.append(ours_row(seq_len, "on"))
+            rows.append(ours_rows[-1])
+            write_results()
         if not use_gpu:
             print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)
-            continue
-        try:
-            spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
-                                        num_steps=args.steps, warmup=args.warmup, work=args.work,
-                                        num_loader_workers=args.loader_workers)
-        except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
-            print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
+        else:
+            try:
+                spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
+                                            num_steps=args.steps, warmup=args.warmup, work=args.work,
+                                            num_loader_workers=args.loader_workers)
+                rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
+            except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
+                print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
+                rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})
             _copy_log_next_to(args.out, args.work, seq_len)
-            rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})
             write_results()
-            continue
-        rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
-        _copy_log_next_to(args.out, args.work, seq_len)
-        rows[-2]["ratio_vs_speculators"] = ours["tokens_per_s"] / spec["tokens_per_s"]
+        if args.compile in ("off", "both"):
+            ours_rows.append(ours_row(seq_len, "off"))
+            rows.append(ours_rows[-1])
+        for row in ours_rows:
+            if spec is not None and "error" not in row:
+                row["ratio_vs_speculators"] = row["tokens_per_s"] / spec["tokens_per_s"]
         write_results()
         print_table(rows)
     print_table(rows)
