@@ -172,10 +172,11 @@ def _own_processes(head: RayHead) -> list[psutil.Process]:
 
 
 def stop_head(head: RayHead) -> None:
-    """SIGTERM the `ray start --block` group (it shuts its children down), then kill any straggler by PID."""
+    """SIGTERM the `ray start --block` group (it shuts its children down), then kill any straggler by PID (after
+    5 s: its own shutdown sat out a 30 s wait at the end of every suite)."""
     try:
         os.killpg(head.process.pid, signal.SIGTERM)
-        head.process.wait(timeout=30)
+        head.process.wait(timeout=5)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     stragglers = _own_processes(head)
