@@ -222,7 +222,12 @@ def unit_log(log: str) -> list[dict]:
 
 
 def ratios(results: list[dict], out_len: int) -> dict:
-    by = {r["mode"]: r for r in results if r["out_len"] == out_len and "error" not in r}
+    """Target ratios between modes; a mode measured several times (--repeats) counts with its median run."""
+    runs: dict[str, list[dict]] = {}
+    for r in results:
+        if r["out_len"] == out_len and "error" not in r:
+            runs.setdefault(r["mode"], []).append(r)
+    by = {m: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for m, rs in runs.items()}
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
         return by[a][key] / by[b][key] if a in by and b in by else None
@@ -271,6 +276,7 @@ def parse_args():
     p.add_argument("--num-cpus-per-replica", type=float, default=None,
                    help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
                         "stats and encoding use; default 8 on GPU, 1 on CPU (where vLLM's own worker needs the cores)")
+    p.add_argument("--repeats", type=int, default=1, help="measure every mode this many times; ratios use medians")
     p.add_argument("--work", default="/tmp/generate_bench")
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -303,7 +309,8 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     modes = args.modes.split(",")
-    results = [run_child(args, m, n) for n in args.out_lens for m in modes]
+    # --repeats: the modes in turn, round after round, so a slow spell of a shared machine hits every mode alike
+    results = [run_child(args, m, n) for n in args.out_lens for _ in range(args.repeats) for m in modes]
     report = table(results, args.out_lens)
     print(report)
     if args.out:
