@@ -5,23 +5,31 @@ vs speculators' own Trainer (`python3 -m speculators.train`), on the same synthe
     python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 8192 --out /tmp/tb_8192.json
     python3 bench/gpu_train_bench.py --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
 
-Both lengths (8192 first) with 20 timed steps after 10 warm-up ones per side are meant to fit one call of the GPU
-machine; the JSON is rewritten after each length, so a call cut short keeps the lengths it finished. The synthetic
-data (--work) is written by the first call and reused by the next ones with the same sample arguments. Each side's
-row splits its step: data wait (host blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of
-the step). `--compile both` (the default) times our step twice at each length, `ours (compiled)` (train.compile on:
-the drafter's forward under torch.compile, as speculators sets it on CUDA, which is also train.compile auto there)
-and `ours (eager)` (train.compile off), next to one speculators run; dynamo compiles in the first warm-up step.
-The eager row runs last at each length: speculators' flex attention is compiled only inside that forward, so eager
-it materializes the full score matrix (slow, and at 8192 it may run out of memory: the row then records the error).
+Each side trains one warm-up epoch (dynamo's compile, the loader's start), then one timed epoch: every sample of
+speculators' train split (the first 90% of the samples; our side gets the same ones, both samplers the same seed)
+once, so both sides time the same tokens (trained positions) in the same packed batches (128 samples: 115 train
+samples, 129,717 positions; the timed epoch is 18 steps at 8192, 86 at 2048, the warm-up epoch 17 and 82). Both
+lengths (8192 first) are meant to fit one call of the GPU machine; the JSON is rewritten after each length, so a
+call cut short keeps the lengths it finished. The synthetic data (--work) is written by the first call and reused
+by the next ones with the same sample arguments. Each row records the timed epoch's tokens, steps and seconds
+(`timed_s`); `ratio_vs_speculators` is ours tokens/s over speculators'. Our rows split the step: data wait (host
+blocked on the next batch), H2D (GPU time of the copy) and compute (GPU time of the step). `--compile both` (the
+default) times our step twice at each length, `ours (compiled)` (train.compile on: the drafter's forward under
+torch.compile, as speculators sets it on CUDA, which is also train.compile auto there) and `ours (eager)`
+(train.compile off), next to one speculators run; dynamo compiles in the first warm-up step. The eager row runs
+last at each length: speculators' flex attention is compiled only inside that forward, so eager it materializes the
+full score matrix (slow, and at 8192 it may run out of memory: the row then records the error).
 
 The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is all Eagle3DraftModel loads from
 `verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
 bench/gpu/make_verifier.py) is reused. Hidden states are random bf16 [T, 4, 4096] (aux 2, 16, 29 + final 32),
 written from the same tensors in both formats: our generate-stage output (shards + manifest + conversations +
 capture.json, docs/stages.md) and speculators' per-sample `hidden_states/hs_{i}.safetensors` + datasets folder.
-Ours is timed in-process (one process, no Ray Train: this measures the step, not Ray startup); speculators' Trainer
-runs as its CLI with --log-freq 1 and its own per-step profile (step_ms, fetch_ms, tokens_per_s) is parsed.
+Ours is timed in-process (one process, no Ray Train: this measures the step, not Ray startup). speculators' Trainer
+runs as its CLI with --epochs 2, --log-freq beyond the run (its profiled steps synchronize the GPU at each phase:
+only its step 0 is profiled, in the warm-up); the timed epoch runs from its "Training epoch 2/2 started" line to its
+"... completed" line, each stamped as it arrives on the CLI's stdout (its console prints the clock to the second).
+Its validation epoch and checkpoint lie between the epochs, outside the timed one; its save dir is deleted after.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden
 TINY = dict(LLAMA31_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096)
 AUX_8B, AUX_TINY = [2, 16, 29], [1, 4, 6]
+# speculators' Trainer trains on the first int(n * TRAIN_DATA_RATIO) rows of --data-path (the rest is its validation
+# split); our side gets the same samples, and both samplers the same seed, so a timed epoch is the same batches
+TRAIN_DATA_RATIO, SEED = 0.9, 0
 
 
 def write_verifier(out: str, shape: dict, device: str) -> str:
@@ -141,54 +152,68 @@ def write_vocabs(work: str, gen_dir: str, spec_dir: str, draft_vocab: int, verif
     return vocab_dir
 
 
-def timed_loop(loader, step_fn, num_steps: int, warmup: int, device: torch.device) -> dict:
-    """Runs step_fn(batch) over epochs until warmup + num_steps; times the last num_steps (the device synchronized
-    at both ends; steps themselves never wait for it, as in the worker loop). The split of a step: `data_wait_frac`
-    (the loop blocked on the next batch), and on CUDA `compute_ms` (GPU time from a step's first kernel to its last,
-    CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time of
-    a batch's copy + decode on the side stream, overlapped with compute) and `pin_ms` (host copy into pinned memory,
-    in its thread)."""
+def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1, timed_epochs: int = 1) -> dict:
+    """Runs step_fn(batch) over warmup_epochs + timed_epochs whole epochs and times the timed ones (the device
+    synchronized at both ends; steps themselves never wait for it, as in the worker loop): a timed epoch is every
+    sample once, so both sides of the bench time the same tokens whatever the packing. The warm-up epoch holds
+    dynamo's compile and the loader's start. The split of a step: `data_wait_frac` (the loop blocked on the next
+    batch, the epoch's first fetch included), and on CUDA `compute_ms` (GPU time from a step's first kernel to its
+    last, CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time
+    of a batch's copy + decode on the side stream, overlapped with compute) and `pin_ms` (host copy into pinned
+    memory, in its thread)."""
     from eagle3_ray.train_worker import batch_tokens
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    waits, tokens, epoch, done, marks = 0.0, 0.0, 0, 0, []
-    t_start, pin0, copied0 = None, 0.0, 0
-    while done < warmup + num_steps:
+    for epoch in range(warmup_epochs):
+        loader.batch_sampler.set_epoch(epoch)
+        for batch in loader:
+            step_fn(batch)
+    sync()
+    t_start = time.perf_counter()
+    pin0, copied0 = getattr(loader, "pin_s", 0.0), getattr(loader, "num_copied", 0)
+    waits, tokens, steps, marks = 0.0, 0.0, 0, []
+    for epoch in range(warmup_epochs, warmup_epochs + timed_epochs):
         loader.batch_sampler.set_epoch(epoch)
         t_fetch = time.perf_counter()
         for batch in loader:
-            wait_s = time.perf_counter() - t_fetch
-            if done == warmup:
-                sync()
-                t_start, waits, tokens = time.perf_counter(), 0.0, 0.0
-                pin0, copied0 = getattr(loader, "pin_s", 0.0), getattr(loader, "num_copied", 0)
-            else:
-                waits += wait_s
-            if cuda and done >= warmup:
+            waits += time.perf_counter() - t_fetch
+            if cuda:
                 marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 marks[-1][0].record()
             step_fn(batch)
-            if cuda and done >= warmup:
+            if cuda:
                 marks[-1][1].record()
             tokens += batch_tokens(batch)
-            done += 1
-            if done == warmup + num_steps:
-                break
+            steps += 1
             t_fetch = time.perf_counter()
-        epoch += 1
     sync()
-    elapsed_s = time.perf_counter() - t_start
-    result = {"steps": num_steps, "tokens_per_s": tokens / elapsed_s, "step_ms": 1000 * elapsed_s / num_steps,
-              "data_wait_frac": waits / elapsed_s, "tokens_per_step": tokens / num_steps}
+    timed_s = time.perf_counter() - t_start
+    result = {"steps": steps, "tokens": int(tokens), "timed_s": timed_s, "tokens_per_s": tokens / timed_s,
+              "step_ms": 1000 * timed_s / steps, "data_wait_frac": waits / timed_s, "tokens_per_step": tokens / steps}
     if cuda:
         compute_ms = sum(a.elapsed_time(b) for a, b in marks)
-        result.update(compute_ms=compute_ms / num_steps, gpu_busy_frac=compute_ms / (1000 * elapsed_s))
-    copies = list(getattr(loader, "h2d_events", []))[-num_steps:]
+        result.update(compute_ms=compute_ms / steps, gpu_busy_frac=compute_ms / (1000 * timed_s))
+    copies = list(getattr(loader, "h2d_events", []))[-steps:]
     if copies:
         result["h2d_ms"] = sum(a.elapsed_time(b) for a, b in copies) / len(copies)
         result["pin_ms"] = 1000 * (loader.pin_s - pin0) / max(1, loader.num_copied - copied0)
     return result
+
+
+def epoch_plan(lengths: list[int], total_seq_len: int, epoch: int, seed: int = SEED) -> tuple[int, int]:
+    """(steps, tokens) of one epoch as speculators' packing sampler (both sides' sampler) lays it out: every sample
+    in exactly one batch, truncated to total_seq_len. Tokens are trained positions, as train_worker.batch_tokens and
+    speculators' own profile count them (document_ids != -1): a sample's length less one (shift_batch drops its
+    first token: x1..xT predicted from g0..g(T-1))."""
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=lengths, num_replicas=1,
+                                                 rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    batches = list(sampler)
+    clipped = np.minimum(np.asarray(lengths), total_seq_len)
+    return len(batches), int(sum(int(np.maximum(clipped[b] - 1, 0).sum()) for b in batches))
 
 
 def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) -> dict:
@@ -201,12 +226,13 @@ def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) 
 
 
 def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, use_gpu: bool,
-              num_steps: int, warmup: int, attn_impl: str = "auto", num_loader_workers: int | None = None,
-              peak_flops: float = 0.0, compile_mode: str = "auto") -> dict:
+              num_train_samples: int, warmup_epochs: int = 1, timed_epochs: int = 1, attn_impl: str = "auto",
+              num_loader_workers: int | None = None, peak_flops: float = 0.0, compile_mode: str = "auto") -> dict:
     """The train worker's own pieces, one process, no Ray Train: train_worker.build_model, make_optimizer,
-    make_loaders over the samples the driver would hand it (data.load_refs) and TrainStep, the worker's step.
-    `compile_mode` is train.compile; dynamo's caches are cleared first, so a compiled run compiles for its own
-    total_seq_len (after another length dynamo would recompile with dynamic shapes), in the first warm-up step."""
+    make_loaders over the first `num_train_samples` samples (data.load_refs; speculators' train split) and
+    TrainStep, the worker's step, timed by timed_loop. `compile_mode` is train.compile; dynamo's caches are cleared
+    first, so a compiled run compiles for its own total_seq_len (after another length dynamo would recompile with
+    dynamic shapes), in the first warm-up step."""
     from eagle3_ray import data, train_worker
     from eagle3_ray.config import Config
 
@@ -215,7 +241,7 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     tc.use_gpu, tc.total_seq_len, tc.draft_vocab_size, tc.ttt_steps, tc.num_draft_layers = (
         use_gpu, total_seq_len, draft_vocab, 3, 1)
     tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
-    tc.compile = compile_mode
+    tc.compile, cfg.run.seed = compile_mode, SEED
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
     cfg.verifier.path = capture["verifier_path"]
     device = torch.device("cuda" if use_gpu else "cpu")
@@ -225,70 +251,88 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = train_worker.make_optimizer(params, tc.lr, device)
     refs, _manifest = data.load_refs(gen_dir)
-    args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
+    args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[],
+                                   train_refs=refs[:num_train_samples])
     train_loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1, device=device)
     step = train_worker.TrainStep(model, params, optimizer, None, train_worker.loss_kwargs(cfg), device,
                                   autocast=use_gpu, max_grad_norm=tc.max_grad_norm)
-    result = timed_loop(train_loader, step, num_steps, warmup, device)
+    result = timed_loop(train_loader, step, device, warmup_epochs=warmup_epochs, timed_epochs=timed_epochs)
     result["loader_workers"] = train_loader.loader.num_workers
     if peak_flops:
         result["compute_floor"] = compute_floor(model, total_seq_len, tc.ttt_steps, peak_flops)
     return result
 
 
-PROFILE_KEYS = ("step_ms", "fetch_ms", "h2d_ms", "fwd_ms", "bwd_ms", "opt_ms", "tokens_per_s")
-PROFILE_RE = re.compile(r"""['"]?(%s)['"]?\s*[:=]\s*([0-9.eE+-]+)""" % "|".join(PROFILE_KEYS))
+# its root logger's epoch lines (trainer.run_training); its rich console prints the clock to the second only
+# ("[21:24:51] INFO ..."), so time_speculators_cli stamps each line with time.perf_counter() as it arrives
+EPOCH_RE = re.compile(r"^\s*(\d+\.\d+) .*Training epoch (\d+)/\d+ (started|completed)", re.MULTILINE)
 
 
-def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], *, total_seq_len: int, draft_vocab: int,
-                         num_steps: int, warmup: int, work: str, num_loader_workers: int) -> dict:
-    """speculators' Trainer through its CLI; per-step profile lines from its metric logger (log_freq 1)."""
+def epoch_seconds(stamped_log: str) -> dict[int, float]:
+    """{epoch (1-based): seconds from its "Training epoch e/n started" line to its "... completed" line} of a log
+    whose lines each begin with their arrival time in seconds (time_speculators_cli's log file)."""
+    marks = {(int(e), kind): float(t) for t, e, kind in EPOCH_RE.findall(stamped_log)}
+    return {e: t_end - marks[(e, "started")] for (e, kind), t_end in marks.items()
+            if kind == "completed" and (e, "started") in marks}
+
+
+def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], lengths: list[int], *, total_seq_len: int,
+                         draft_vocab: int, warmup_epochs: int, timed_epochs: int, work: str,
+                         num_loader_workers: int) -> dict:
+    """speculators' Trainer through its CLI over warmup_epochs + timed_epochs epochs; the timed ones from its epoch
+    log lines. `log_freq` beyond the run's steps: only global step 0 (warm-up) is profiled, since its profiled
+    steps synchronize the GPU at every phase. Tokens and steps of the timed epochs: epoch_plan over `lengths` (its
+    train split's seq_len, the same sampler and seed)."""
+    save_path = os.path.join(work, f"spec_ckpt_{total_seq_len}")
+    num_epochs = warmup_epochs + timed_epochs
     cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", verifier, "--data-path", spec_dir,
            "--target-layer-ids", *map(str, aux), "--draft-vocab-size", str(draft_vocab),
            "--d2t-path", os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"),
            "--t2d-path", os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"), "--mask-token-id", "0",
            "--total-seq-len", str(total_seq_len), "--num-layers", "1", "--ttt-steps", "3",
-           # --max-steps ends only the current epoch in speculators 0.9.0: one epoch, or it runs (and checkpoints)
-           # one-step epochs until the disk is full
-           "--loss-implementation", "eager", "--epochs", "1", "--max-steps", str(warmup + num_steps),
-           "--log-freq", "1", "--num-workers", str(num_loader_workers),
-           "--save-path", os.path.join(work, f"spec_ckpt_{total_seq_len}")]
+           "--loss-implementation", "eager", "--epochs", str(num_epochs), "--log-freq", "1000000",
+           "--train-data-ratio", str(TRAIN_DATA_RATIO), "--seed", str(SEED),
+           "--num-workers", str(num_loader_workers), "--save-path", save_path]
+    log_path = os.path.join(work, f"speculators_{total_seq_len}.log")
+    # its rich console handler wraps at the terminal width; wide lines keep each log line on one line
+    env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    # its rich console handler wraps at the terminal width; wide lines keep each key=value intact
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+    try:
+        with open(log_path, "w") as log:
+            log.write(" ".join(cmd) + "\n")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for line in proc.stdout:  # rich flushes each record; stamped here on arrival
+                log.write(f"{time.perf_counter() - t0:10.3f} {line}")
+            returncode = proc.wait()
+    finally:
+        shutil.rmtree(save_path, ignore_errors=True)  # a checkpoint per epoch, ~2.3 GB each at 8B shape
     wall_s = time.perf_counter() - t0
-    log_text = proc.stdout + proc.stderr
-    with open(os.path.join(work, f"speculators_{total_seq_len}.log"), "w") as f:
-        f.write(" ".join(cmd) + "\n" + log_text)
-    if proc.returncode != 0:
-        raise RuntimeError(f"speculators.train exited {proc.returncode}; tail:\n{log_text[-3000:]}")
-    steps: dict[str, list[float]] = {k: [] for k in PROFILE_KEYS}
-    for line in log_text.splitlines():
-        for k, v in PROFILE_RE.findall(line):
-            steps[k].append(float(v))
-    shutil.rmtree(os.path.join(work, f"spec_ckpt_{total_seq_len}"), ignore_errors=True)  # ~2.3 GB per epoch
-    timed = {k: v[warmup:warmup + num_steps] for k, v in steps.items()}
-    if not timed["step_ms"]:
-        raise RuntimeError(f"no step profile in speculators' log ({work}/speculators_{total_seq_len}.log)")
-    n = len(timed["step_ms"])
-    mean = {k: sum(v) / len(v) for k, v in timed.items() if len(v) == n}
-    # its fetch_ms includes its h2d_ms; fwd + bwd + opt is the step's compute (every phase mark synchronizes)
-    return {"steps": n, "step_ms": mean["step_ms"],
-            "tokens_per_s": sum(t * s for t, s in zip(timed["tokens_per_s"], timed["step_ms"])) / sum(timed["step_ms"]),
-            "data_wait_frac": sum(timed["fetch_ms"]) / sum(timed["step_ms"]), "h2d_ms": mean.get("h2d_ms"),
-            "compute_ms": sum(mean.get(k, 0.0) for k in ("fwd_ms", "bwd_ms", "opt_ms")), "wall_s": wall_s}
+    log_text = open(log_path).read()
+    if returncode != 0:
+        raise RuntimeError(f"speculators.train exited {returncode}; tail:\n{log_text[-3000:]}")
+    seconds = epoch_seconds(log_text)
+    timed = range(warmup_epochs + 1, num_epochs + 1)  # its epochs are 1-based in the log, 0-based in the sampler
+    if any(e not in seconds for e in timed):
+        raise RuntimeError(f"no start/end line of epochs {list(timed)} in speculators' log ({log_path}); tail:\n"
+                           f"{log_text[-3000:]}")
+    plans = [epoch_plan(lengths, total_seq_len, e - 1) for e in timed]
+    steps, tokens = sum(p[0] for p in plans), sum(p[1] for p in plans)
+    timed_s = sum(seconds[e] for e in timed)
+    return {"steps": steps, "tokens": tokens, "timed_s": timed_s, "tokens_per_s": tokens / timed_s,
+            "step_ms": 1000 * timed_s / steps, "tokens_per_step": tokens / steps, "wall_s": wall_s}
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'seq_len':>8} {'impl':<22} {'tokens/s':>10} {'step ms':>9} {'data wait':>9} {'h2d ms':>7} "
-          f"{'compute ms':>10} {'ratio':>6} {'floor tok/s':>11}")
+    print(f"{'seq_len':>8} {'impl':<22} {'tokens':>9} {'steps':>5} {'timed s':>8} {'tokens/s':>10} {'step ms':>9} "
+          f"{'data wait':>9} {'h2d ms':>7} {'compute ms':>10} {'ratio':>6} {'floor tok/s':>11}")
     nan = float("nan")
     for r in rows:
         if "error" in r:
             print(f"{r['total_seq_len']:>8} {r['impl']:<22} FAILED (see JSON / log)")
             continue
-        print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} "
-              f"{r['data_wait_frac']:>9.3f} {r.get('h2d_ms') or nan:>7.1f} {r.get('compute_ms') or nan:>10.1f} "
+        print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens']:>9} {r['steps']:>5} {r['timed_s']:>8.2f} "
+              f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} {r.get('data_wait_frac', nan):>9.3f} "
+              f"{r.get('h2d_ms') or nan:>7.1f} {r.get('compute_ms') or nan:>10.1f} "
               f"{r.get('ratio_vs_speculators', nan):>6.2f} "
               f"{r.get('compute_floor', {}).get('tokens_per_s', nan):>11.0f}")
 
@@ -330,8 +374,9 @@ def main() -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=None,
                    help="total_seq_len values (default 8192 2048; --tiny: 128 256)")
     p.add_argument("--num-samples", type=int, default=128)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (loader buffers fill up)")
+    p.add_argument("--warmup-epochs", type=int, default=1,
+                   help="whole epochs before the timed ones (compile, loader start)")
+    p.add_argument("--timed-epochs", type=int, default=1, help="whole epochs timed, each every train sample once")
     p.add_argument("--loader-workers", type=int, default=8, help="DataLoader workers, both sides")
     p.add_argument("--peak-tflops", type=float, default=788.0, help="dense bf16 peak of the GPU (H200: ~788)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
@@ -349,17 +394,22 @@ def main() -> None:
     gen_dir, spec_dir, vocab_dir = prepare_data(args.work, verifier, shape, aux, num_samples=num_samples,
                                                 min_len=min_len, max_len=max_len, draft_vocab=draft_vocab)
     device = torch.cuda.get_device_name() if use_gpu else "cpu"
+    num_train = int(num_samples * TRAIN_DATA_RATIO)
+    lengths = [r["num_tokens"] for r in storage.read_parquet(os.path.join(gen_dir, "manifest.parquet"),
+                                                             ["num_tokens"]).to_pylist()][:num_train]
+    epochs = {"warmup_epochs": args.warmup_epochs, "timed_epochs": args.timed_epochs}
     rows = []
 
     def write_results() -> None:
         storage.write_json_atomic(args.out, {"device": device, "torch": torch.__version__, "tiny": args.tiny,
-                                             "num_samples": num_samples, "rows": rows})
+                                             "num_samples": num_samples, "num_train_samples": num_train,
+                                             **epochs, "rows": rows})
 
     def ours_row(seq_len: int, mode: str) -> dict:
         impl = "ours (compiled)" if mode == "on" else "ours (eager)"
         try:
             ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
-                             num_steps=args.steps, warmup=args.warmup, num_loader_workers=args.loader_workers,
+                             num_train_samples=num_train, **epochs, num_loader_workers=args.loader_workers,
                              peak_flops=args.peak_tflops * 1e12, compile_mode=mode)
         except RuntimeError as e:  # a compile error, or out of memory: eager flex attention materializes the scores
             print(f"{impl} at total_seq_len={seq_len} failed: {e}", flush=True)
@@ -379,8 +429,8 @@ def main() -> None:
             print("speculators' Trainer skipped: it needs CUDA (trainer.py calls model.to(local_rank))", flush=True)
         else:
             try:
-                spec = time_speculators_cli(verifier, spec_dir, aux, total_seq_len=seq_len, draft_vocab=draft_vocab,
-                                            num_steps=args.steps, warmup=args.warmup, work=args.work,
+                spec = time_speculators_cli(verifier, spec_dir, aux, lengths, total_seq_len=seq_len,
+                                            draft_vocab=draft_vocab, **epochs, work=args.work,
                                             num_loader_workers=args.loader_workers)
                 rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
             except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
@@ -394,6 +444,7 @@ def main() -> None:
         for row in ours_rows:
             if spec is not None and "error" not in row:
                 row["ratio_vs_speculators"] = row["tokens_per_s"] / spec["tokens_per_s"]
+                row["same_tokens_as_speculators"] = row["tokens"] == spec["tokens"]
         write_results()
         print_table(rows)
     print_table(rows)

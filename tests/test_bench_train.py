@@ -31,10 +31,31 @@ def test_tiny_bench_writes_both_formats_with_the_same_samples_and_times_our_step
     assert torch.equal(item["input_ids"], ids[: hs.shape[0]])
     assert torch.equal(item["verifier_last_hidden_states"].float(), hs[:, -1].float())
 
-    result = gb.time_ours(gen_dir, vocab_dir, total_seq_len=96, draft_vocab=128, use_gpu=False, num_steps=3,
-                          warmup=1, num_loader_workers=0)
-    assert result["steps"] == 3 and result["tokens_per_s"] > 0 and 0 <= result["data_wait_frac"] < 1
+    result = gb.time_ours(gen_dir, vocab_dir, total_seq_len=96, draft_vocab=128, use_gpu=False,
+                          num_train_samples=10, num_loader_workers=0)
+    # the timed epoch (the second) is every train sample once, as speculators' sampler packs it for the same seed
+    lengths = [hs.shape[0] for _ids, _mask, hs in gb.make_samples(
+        10, 20, 40, len(gb.AUX_TINY) + 1, gb.TINY["hidden_size"], gb.TINY["vocab_size"])]
+    assert (result["steps"], result["tokens"]) == gb.epoch_plan(lengths, 96, epoch=1)
+    assert result["tokens"] == sum(lengths) - 10  # trained positions: a sample's length less one
+    assert result["tokens_per_s"] > 0 and 0 <= result["data_wait_frac"] < 1 and result["timed_s"] > 0
     assert 0 < result["tokens_per_step"] <= 96
+
+
+def test_speculators_epoch_seconds_come_from_the_stamped_started_and_completed_lines():
+    log = "\n".join([
+        "python -m speculators.train --epochs 2",
+        "     3.100 [21:24:51] INFO     Training epoch 1/2 started                          trainer.py:734",
+        "     3.200 Epoch 0: 100%|##########| 18/18 [00:09<00:00,  1.90it/s]",
+        "    12.600 [21:25:00] INFO     Training epoch 1/2 completed                        trainer.py:736",
+        "    14.000 [21:25:02] INFO     Validation epoch 1/2 started                        trainer.py:748",
+        "    20.250 [21:25:08] INFO     Training epoch 2/2 started                          trainer.py:734",
+        "    23.000 [21:25:11] INFO     Training epoch 2/2 completed                        trainer.py:736",
+        "    24.000 [21:25:12] INFO     Training epoch 3/3 started                          trainer.py:734",
+    ])
+    seconds = gb.epoch_seconds(log)
+    assert seconds.keys() == {1, 2}  # an epoch without its completed line is left out
+    assert seconds[1] == pytest.approx(9.5) and seconds[2] == pytest.approx(2.75)
 
 
 def _tiny_run(tmp_path):
