@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from eagle3_ray import checkpoints, data, stage, storage, vocab
 from eagle3_ray.config import Config, versioned
-from eagle3_ray.telemetry import log, read_jsonl
+from eagle3_ray.telemetry import log, metrics, read_jsonl
 
 # Ray is imported inside the functions that start training: importing this module (e.g. to check data) must not
 # import Ray, which fixes its auth settings from the environment at import time.
@@ -93,11 +93,18 @@ def fit(trainer_) -> None:
         raise result.error
 
 
-def finish(out_dir: str, split: dict, problems: dict[str, str]) -> dict:
-    """The train summary: split sizes, bad samples, and best/last/kept checkpoints with their metrics."""
-    for rec in read_jsonl(storage.join(out_dir, "metrics.jsonl")):
-        if rec["kind"] == "validation":
-            log("train", "epoch_summary", **{k: v for k, v in rec.items() if k not in ("kind", "time")})
+def finish(cfg: Config, out_dir: str, split: dict, problems: dict[str, str]) -> dict:
+    """The train summary: split sizes, bad samples, and best/last/kept checkpoints with their metrics. The last
+    epoch's numbers also go to Prometheus from this driver process: the workers' gauges end with their processes,
+    the driver's stay up while the pipeline runs its later stages."""
+    validations = [rec for rec in read_jsonl(storage.join(out_dir, "metrics.jsonl")) if rec["kind"] == "validation"]
+    for rec in validations:
+        log("train", "epoch_summary", **{k: v for k, v in rec.items() if k not in ("kind", "time")})
+    if validations:
+        tags = {"stage": "train", "run": cfg.run.name}
+        last = validations[-1]
+        metrics.gauge("train_epochs_done", "epochs of the finished train stage").set(last["epoch"] + 1, tags=tags)
+        metrics.gauge("train_final_val_loss", "validation loss after the last epoch").set(last["val_loss"], tags=tags)
     return {"num_train": split["num_train"], "num_val": len(split["val_ids"]), "num_bad_samples": len(problems),
             "bad_samples": problems, **checkpoints.latest_record(out_dir, storage.join(out_dir, "best"))}
 
@@ -129,7 +136,7 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
     finally:
         for pg in created_pgs:
             ray.util.remove_placement_group(pg)
-    return finish(out_dir, split, {})
+    return finish(cfg, out_dir, split, {})
 
 
 def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
@@ -154,4 +161,4 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     args = WorkerArgs(cfg=cfg.to_dict(), out_dir=out_dir, capture=capture, val_ids=split["val_ids"],
                       train_refs=train_refs, val_refs=val)
     fit(trainer(cfg, out_dir, args))
-    return finish(out_dir, split, problems)
+    return finish(cfg, out_dir, split, problems)
