@@ -99,6 +99,7 @@ class Conversation:
         self.prepared: tuple | BaseException | None = None
         self.prepare_lock = threading.Lock()
         self.shard: tuple | None = None  # (commit.ShardPlan, shard index) of a prefill unit's planned shards
+        self.timing: dict[str, float] = {}  # the writer's seconds on this capture (commit.CaptureWriter.TIMINGS)
 
     def start(self):
         if self.sample.get("status") == "rejected":  # two_pass: rejected by the first pass
@@ -185,7 +186,7 @@ def load_capture(record: dict[str, Any], path: str) -> torch.Tensor:
         load_hidden_states,
     )
 
-    data = load_hidden_states(path)  # waits on the connector writer's file lock
+    data = load_hidden_states(path)  # the lock is free by now (wait_for_capture), so this only reads
     cleanup_hidden_states(path)
     hidden, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, num_layers, H], [T]
     expected = torch.tensor(record["input_ids"][: record.pop("_num_captured")])
@@ -193,14 +194,19 @@ def load_capture(record: dict[str, Any], path: str) -> torch.Tensor:
     return hidden
 
 
-def discard_capture(path: str) -> None:
-    """Delete an earlier turn's capture once its writer is done: only the final turn's conversation is stored."""
+def wait_for_capture(path: str) -> None:
+    """Sleep until vLLM's connector has written a request's capture file (it holds the file's lock while writing)."""
     import fcntl
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
 
     with open(path + ".lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)  # sleeps until the writer releases its exclusive lock
+
+
+def discard_capture(path: str) -> None:
+    """Delete an earlier turn's capture once its writer is done: only the final turn's conversation is stored."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
+
+    wait_for_capture(path)
     cleanup_hidden_states(path)
 
 

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -72,6 +73,10 @@ JOB_PRIORITY = {"commit": 0, "prepare": 1, "discard": 1}
 
 
 class CaptureWriter:
+    # per conversation (conv.timing), summed per unit in its unit_committed line: waiting for vLLM's connector to
+    # finish the capture file, reading + checking + encoding it, writing planned shards, the commit's own writes
+    TIMINGS = ("capture_wait_s", "prepare_s", "shard_write_s", "commit_write_s")
+
     """The actor's writer threads (`generate.writer_threads`), all taking jobs from one queue:
 
         prepare(conv)   a finished conversation's capture: read the scratch file, stats, encode. Queued by the engine
@@ -128,12 +133,16 @@ class CaptureWriter:
                 return
             r = conv.record
             try:
+                start = time.monotonic()
+                chat.wait_for_capture(conv.capture_path)
+                waited = time.monotonic()
                 hs = chat.load_capture(r, conv.capture_path)  # shape: [T, L, H]
                 r["num_tokens"] = hs.shape[0]
                 conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
             except BaseException as e:
                 conv.prepared = e
                 return
+            conv.timing.update(capture_wait_s=waited - start, prepare_s=time.monotonic() - waited)
             if conv.shard is not None:  # still under the lock: a commit reading this conversation waits for the shard
                 conv.shard[0].prepared(conv.shard[1])
 
@@ -142,7 +151,10 @@ class CaptureWriter:
             records, encoded, stats = self._read(convs)
             plans = {id(c.shard[0]): c.shard[0] for c in convs if c.shard is not None}
             shard_bytes = {k: v for p in plans.values() for k, v in p.shard_bytes().items()} if plans else None
+            start = time.monotonic()
             result = sink.write(unit_id, records, encoded, stats, shard_bytes)
+            if convs:
+                convs[0].timing["commit_write_s"] = time.monotonic() - start
         except BaseException as e:  # the unit fails with it; the actor and its engine go on
             future.get_loop().call_soon_threadsafe(_set, future, None, e)
         else:
@@ -244,6 +256,7 @@ class ShardPlan:
             if self.left[j] or self.error is not None:
                 return
         convs = self.groups[j]
+        start = time.monotonic()
         try:
             num_bytes = self.sink.write_shard(self.names[j], [c.record for c in convs],
                                               {c.record["id"]: c.prepared[1] for c in convs},
@@ -254,6 +267,7 @@ class ShardPlan:
             return
         with self.lock:
             self.written[self.names[j]] = num_bytes
+        convs[-1].timing["shard_write_s"] = time.monotonic() - start
         for c in convs:
             c.prepared = ()  # in the shard now: the tensors can go
 

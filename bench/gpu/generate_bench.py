@@ -121,12 +121,15 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     cfg = make_cfg(args, args.work, mode, out_len)
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     write_ingest(cfg, args, mode, out_len)
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every unit_committed line reaches this log
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
+    ray_dir = os.path.join(args.work, "ray")  # the actors' logs, read below: the driver may exit before Ray
+    shutil.rmtree(ray_dir, ignore_errors=True)  # forwards an actor's last lines
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, _temp_dir=ray_dir)
     try:
         summary = run(cfg)
     finally:
         ray.shutdown()
+    actor_logs = "".join(Path(p).read_text(errors="replace")
+                         for p in glob.glob(f"{ray_dir}/session_latest/logs/worker-*.out"))
     out = summary["path"]
     engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
     last_commit = max(os.path.getmtime(p) for p in glob.glob(f"{out}/parts/*.parquet"))
@@ -143,7 +146,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     return {"mode": f"stage_{mode}", "out_len": out_len, "wall_s": wall_s, "total_wall_s": summary["run_wall_s"],
             "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines], "prompt_tokens": prompt_tokens,
             "scratch_dirs": sorted({os.path.dirname(e["scratch"]) for e in engines}),
-            "units": unit_timings(out), "writer_threads": cfg.generate.writer_threads,
+            "units": unit_timings(out), "unit_log": unit_log(actor_logs), "writer_threads": cfg.generate.writer_threads,
             "shard_max_bytes": cfg.generate.shard_max_bytes,
             "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
             "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
@@ -199,8 +202,6 @@ def run_child(args, mode: str, out_len: int) -> dict:
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = results[-1] if proc.returncode == 0 and results else \
         {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
-    if mode.startswith("stage_"):
-        result["unit_log"] = unit_log(proc.stdout)
     if "error" in result:
         sys.stdout.write(proc.stdout[-5000:])
     print("RESULT " + json.dumps(result), flush=True)
@@ -212,7 +213,8 @@ def run_child(args, mode: str, out_len: int) -> dict:
 
 def unit_log(log: str) -> list[dict]:
     """The engine actors' `unit_committed` lines: per unit, seconds since its engine was ready when it arrived,
-    got its capture bytes, finished its last request and committed (where a tail after the engine comes from)."""
+    got its capture bytes, finished its last request and committed (where a tail after the engine comes from), and
+    the writer threads' seconds on its captures."""
     rows = []
     for line in log.splitlines():
         if "[eagle3 generate] unit_committed" in line:
