@@ -73,10 +73,6 @@ JOB_PRIORITY = {"commit": 0, "prepare": 1, "discard": 1}
 
 
 class CaptureWriter:
-    # per conversation (conv.timing), summed per unit in its unit_committed line: waiting for vLLM's connector to
-    # finish the capture file, reading + checking + encoding it, writing planned shards, the commit's own writes
-    TIMINGS = ("capture_wait_s", "prepare_s", "shard_write_s", "commit_write_s")
-
     """The actor's writer threads (`generate.writer_threads`), all taking jobs from one queue:
 
         prepare(conv)   a finished conversation's capture: read the scratch file, stats, encode. Queued by the engine
@@ -87,6 +83,10 @@ class CaptureWriter:
 
     The queue is not bounded by a job count: what it holds is bounded in bytes by the actor's ByteBudget (a unit's
     capture bytes are acquired before its first request and released after its commit)."""
+
+    # per conversation (conv.timing), summed per unit in its unit_committed line: waiting for vLLM's connector to
+    # finish the capture file, reading + checking + encoding it, writing planned shards, the commit's own writes
+    TIMINGS = ("capture_wait_s", "prepare_s", "shard_write_s", "commit_write_s")
 
     def __init__(self, dtype: str, num_threads: int):
         self.dtype = dtype
@@ -225,8 +225,8 @@ class ShardSink:
         return num_bytes
 
 
-def shard_names(unit_id: str, num_shards: int, first: int = 0) -> list[str]:
-    return [f"{unit_id}-{j:04d}.safetensors" for j in range(first, first + num_shards)]
+def shard_names(unit_id: str, num_shards: int) -> list[str]:
+    return [f"{unit_id}-{j:04d}.safetensors" for j in range(num_shards)]
 
 
 class ShardPlan:
