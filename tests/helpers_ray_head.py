@@ -63,6 +63,13 @@ class RayHead:
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
+    def post(self, route: str) -> dict | list:
+        """POST a dashboard REST route (empty body) with the bearer token."""
+        request = urllib.request.Request(self.address + route, data=b"", method="POST",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
     def status_code(self, route: str, *, token: str) -> int:
         try:
             self.get(route, token=token)

@@ -51,9 +51,9 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
     # One sample per generate unit (each unit commits on its own), two units in flight (the stop lands with a unit
-    # half done), 120 builtin prompts with 96-token answers: the job is far from done when the first unit
-    # commits even on a fast machine (with 32 units in flight and 24-token answers all 200 finished before the stop
-    # landed; CI once finished 40 sequential units in the seconds `ray job stop` took).
+    # half done), 120 builtin prompts with 96-token answers. The stop goes through the Jobs REST API (what
+    # `ray job stop` calls) the moment the first part lands: CI once finished all 120 units in the seconds the
+    # `ray job stop` CLI took to start.
     entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=120", "generate.max_batch_tokens=160",
                                      "generate.max_tokens=96", "generate.units_in_flight=2",
                                      "--stages", "ingest,generate")
@@ -62,8 +62,8 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     while not list(run_dir.glob("generate/*/parts/*.parquet")):
         assert time.monotonic() < deadline, ray_head.logs("eagle3-stop-1")[-4000:]
         assert ray_head.job("eagle3-stop-1")["status"] in ("PENDING", "RUNNING"), ray_head.logs("eagle3-stop-1")
-        time.sleep(0.2)
-    ray_head.ray_cli("job", "stop", "--address", ray_head.address, "eagle3-stop-1")
+        time.sleep(0.05)
+    assert ray_head.post("/api/jobs/eagle3-stop-1/stop")["stopped"]
     assert ray_head.wait("eagle3-stop-1", {"STOPPED"}, timeout_s=120)["status"] == "STOPPED"
     assert not (run_dir / "generate" / "LATEST.json").exists(), "the job finished before it was stopped"
 
