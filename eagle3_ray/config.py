@@ -223,7 +223,9 @@ class TrainConfig:
     attn_impl: str = "auto"
     """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
     loss_implementation: str = "auto"
-    """speculators loss: `auto` (eager on CPU, fused on GPU), `eager`, `fused`."""
+    """speculators loss: `auto` (eager), `eager`, `fused` (its Triton kernels, GPU only). auto is eager on GPU too:
+    speculators compiles the drafter's forward on CUDA, and under torch 2.11 dynamo fails while tracing the fused
+    loss inside it (an AssertionError in speculators/losses/fused.py)."""
     compile: Literal["auto", "off", "on"] = field(default="auto", metadata=NOT_IN_VERSION)
     """torch.compile of the drafter's forward (train_worker.compile_forward). `auto`: speculators' own choice, which
     compiles it (inductor, default mode) whenever CUDA is present and runs it eagerly otherwise; `on`: compiled on

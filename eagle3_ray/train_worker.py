@@ -67,7 +67,7 @@ def compile_forward(model: Eagle3DraftModel, mode: str) -> None:
 
 def loss_kwargs(cfg: Config) -> dict[str, Any]:
     tc = cfg.train
-    impl = tc.loss_implementation if tc.loss_implementation != "auto" else ("fused" if tc.use_gpu else "eager")
+    impl = "eager" if tc.loss_implementation == "auto" else tc.loss_implementation  # config.py says why
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation=impl,
                                                           ttt_steps=tc.ttt_steps, ttt_step_loss_decay=1.0)
     return train_kwargs

@@ -1,0 +1,89 @@
+"""What the generate stage's writer threads cost per captured byte on this machine, by step and thread count:
+vLLM's connector writing a request's file into the scratch dir, then what commit.CaptureWriter does with it (read it,
+shards.capture_stats, write it into a shard). It sizes `generate.writer_threads` and says which step bounds
+capture_only on a machine (the disk, the stats pass, or the scratch copy).
+
+    .venv/bin/python bench/bench_writer.py --out-dir /tmp/writer_bench --threads 1,2
+    python3 bench/bench_writer.py --hidden 4096 --layers 4 --threads 1,4,8,16 --out-dir /tmp/writer_bench   # 8B-shaped
+
+Rows: GB/s of captured bf16 bytes for each step alone and for the whole path, per thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3_ray import shards
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=333, help="tokens per sample (the 200 builtin prompts average 333)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--scratch", default="/dev/shm", help="where the connector's per-request files go")
+    p.add_argument("--out-dir", default="/tmp/writer_bench", help="where shards go (the run dir's disk)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # each writer thread runs its ops single-threaded, as in the engine actor
+    hs = torch.randn(args.tokens, args.layers, args.hidden).to(torch.bfloat16)
+    tokens = torch.arange(args.tokens)
+    gb = args.samples * hs.numel() * 2 / 1e9
+    scratch = tempfile.mkdtemp(dir=args.scratch, prefix="writer-bench-")
+    os.makedirs(args.out_dir, exist_ok=True)
+    out = tempfile.mkdtemp(dir=args.out_dir, prefix="writer-bench-")
+
+    def connector(i: int) -> None:
+        save_file({"hidden_states": hs, "token_ids": tokens}, f"{scratch}/{i}.safetensors")
+
+    def read(i: int) -> torch.Tensor:
+        return load_file(f"{scratch}/{i}.safetensors")["hidden_states"]
+
+    def stats(i: int) -> None:
+        shards.capture_stats(read(i))
+
+    def shard(i: int) -> None:
+        save_file({f"{i}.hs": read(i)}, f"{out}/{i}.safetensors")
+
+    def whole(i: int) -> None:
+        x = read(i)
+        shards.capture_stats(x)
+        save_file({f"{i}.hs": x}, f"{out}/{i}.safetensors")
+
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        row = {"threads": threads, "gb": gb}
+        for name, fn in (("connector_write", connector), ("read_stats", stats), ("read_shard_write", shard),
+                         ("whole_path", whole)):
+            if name == "connector_write":
+                shutil.rmtree(scratch)
+                os.makedirs(scratch)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(fn, range(args.samples)))
+            row[f"{name}_gb_s"] = gb / (time.perf_counter() - start)
+            if name != "connector_write":
+                for f in os.listdir(out):
+                    os.remove(os.path.join(out, f))
+        rows.append(row)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
