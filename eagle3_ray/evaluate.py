@@ -31,7 +31,7 @@ from eagle3_ray.telemetry import log
 
 STAGE = "evaluate"
 # Largest |measured - predicted| mean acceptance length not flagged. The replay matched vLLM to 0.004 on the tiny
-# run's own validation prompts and to 0.015 on held-out ones (FACTS.md); a contract fault (wrong aux ids, a dropped
+# run's own validation prompts and to 0.015 on held-out ones; a contract fault (wrong aux ids, a dropped
 # norm flag) costs far more than 0.15 (2.22 vs 1.59 with the old per-position estimate).
 PREDICTION_TOLERANCE = 0.15
 SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",

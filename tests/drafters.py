@@ -3,7 +3,7 @@ train-stage checkpoint directory (docs/stages.md: config.json, model.safetensors
 optimizer.pt, train_state.json, capture.json) plus a train/LATEST.json naming it.
 
 Hidden states come from transformers (layer id k = `hidden_states[k]`, the final layer L read pre-norm from the input
-of `model.norm`), which matches what vLLM captures (FACTS.md). 200 steps on 24 samples take about 15 s here.
+of `model.norm`), which matches what vLLM captures (test_generate.py). 200 steps on 24 samples take about 15 s here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Reads the latest generate output of the run (capture.json, manifest.parquet, con
 the verifier in transformers on `input_ids[:T]` of a few samples, and compares layer by layer. The reference is taken
 with hooks, not `output_hidden_states`, so it means exactly what the capture contract says: id k < L is the input of
 decoder layer k, id L the output of the last layer before the final norm. Prints one line per sample and layer
-(relative L2 error); exit status 1 when any exceeds --max-rel-error (FACTS.md saw 8e-3 in bf16 on the tiny verifier).
+(relative L2 error); exit status 1 when any exceeds --max-rel-error (8e-3 in bf16 on the tiny verifier).
 
 With --fp32-reference the same weights also run in float32, and a layer passes when the capture is within
 --max-rel-error of that exact reference or no further from it than transformers' own bf16 forward pass is (times

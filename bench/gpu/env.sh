@@ -6,11 +6,11 @@ export PYTHONPATH="$E3R_SITE:$_repo${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$E3R_SITE/bin:$PATH"
 export PYTHONUNBUFFERED=1
 # A process that touches CUDA before vllm.LLM (the benches) fails with "Cannot re-initialize CUDA in forked
-# subprocess" under fork (FACTS.md); inside Ray actors vLLM picks spawn itself.
+# subprocess" under fork; inside Ray actors vLLM picks spawn itself.
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
-# No flashinfer-cubin is carried: vLLM's flashinfer sampler would need it (FACTS.md).
+# No flashinfer-cubin is carried: vLLM's flashinfer sampler would need it.
 export VLLM_USE_FLASHINFER_SAMPLER=0
-# NVLink multicast stays off on the shared multi-GPU hosts (KINDS.md): keep these, also for child processes.
+# NVLink multicast stays off on multi-GPU hosts: keep these, also for child processes.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Nothing outside the machine can be reached: no hub look-ups, no usage reports.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0

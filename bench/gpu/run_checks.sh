@@ -25,7 +25,7 @@ PY="${PY:-python3}"
 OUT="${OUT:-/tmp/e3r_out}"
 mkdir -p "$OUT"
 if [ -n "${E3R_CPU:-}" ]; then
-    # The CPU build of vLLM needs these (FACTS.md); a small run that exercises the same code paths.
+    # The CPU build of vLLM with the tiny verifier: a small run that exercises the same code paths.
     preset=tiny recipe=ray_jobs/configs/tiny_cpu.yaml
     extra="run.name=gpu-rehearsal ingest.max_rows=12 generate.max_tokens=32 verifier.aux_layer_ids=[1,3,4]"
     bench="--num-prompts 8 --prompt-len 128 --num-warmup 2 --aux-layer-ids [1,3,4]"
