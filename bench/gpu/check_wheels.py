@@ -24,19 +24,19 @@ from packaging.version import Version
 
 ROOTS = [("vllm", frozenset()), ("speculators", frozenset()), ("ray", frozenset({"data", "train", "default"}))]
 # Needs left out on purpose, with the reason. vLLM's optional kernel packages: its offline LLM, capture and
-# generation ran without them on the H200 (FACTS.md); the rest serve only vLLM's HTTP server or Ray features that
+# generation ran without them on the H200; the rest serve only vLLM's HTTP server or Ray features that
 # cannot work on an offline machine.
 NOT_NEEDED = {
     **dict.fromkeys(["flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
-                     "humming-kernels", "fastsafetensors", "nvidia-cudnn-frontend"], "vLLM ran without it (FACTS.md)"),
+                     "humming-kernels", "fastsafetensors", "nvidia-cudnn-frontend"], "vLLM ran without it on the H200"),
     **dict.fromkeys(["fastapi-cli", "fastar", "email-validator", "httptools", "websockets", "pycountry"],
-                    "extras of vLLM's HTTP server; the offline LLM ran without them (FACTS.md)"),
-    "cryptography": "pyjwt[crypto] for mcp's auth; vLLM ran without it (FACTS.md)",
+                    "extras of vLLM's HTTP server; the offline LLM ran without them"),
+    "cryptography": "pyjwt[crypto] for mcp's auth; vLLM ran without it",
     "virtualenv": "Ray's runtime_env pip/uv only; impossible offline",
     "google-api-core": "opencensus's Stackdriver exporter only; Ray imports opencensus.stats/metrics/tags",
 }
 # Version conflicts with the image that were seen working there.
-ACCEPTED = {("mistral-common", "numpy"): "vLLM 0.24.0 ran with the image's numpy 2.5.2 (FACTS.md)"}
+ACCEPTED = {("mistral-common", "numpy"): "vLLM 0.24.0 ran with the image's numpy 2.5.2 on the H200"}
 PY312_LINUX = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
                "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
                "implementation_name": "cpython", "platform_python_implementation": "CPython"}
