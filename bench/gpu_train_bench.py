@@ -156,8 +156,10 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
     """Runs step_fn(batch) over warmup_epochs + timed_epochs whole epochs and times the timed ones (the device
     synchronized at both ends; steps themselves never wait for it, as in the worker loop): a timed epoch is every
     sample once, so both sides of the bench time the same tokens whatever the packing. The warm-up epoch holds
-    dynamo's compile and the loader's start. The split of a step: `data_wait_frac` (the loop blocked on the next
-    batch, the epoch's first fetch included), and on CUDA `compute_ms` (GPU time from a step's first kernel to its
+    dynamo's compile and the loader's start. Each epoch's end primes the next one's first batches, as the worker
+    loop does (DeviceBatches.prime; there they load during validation and the checkpoint, here during the GPU's
+    last queued steps). The split of a step: `data_wait_frac` (the loop blocked on the next batch, the epoch's
+    first fetch included), and on CUDA `compute_ms` (GPU time from a step's first kernel to its
     last, CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time
     of a batch's copy + decode on the side stream, overlapped with compute) and `pin_ms` (host copy into pinned
     memory, in its thread)."""
@@ -165,10 +167,12 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    prime = getattr(loader, "prime", lambda epoch: None)  # as the worker does once an epoch's steps are queued
     for epoch in range(warmup_epochs):
         loader.batch_sampler.set_epoch(epoch)
         for batch in loader:
             step_fn(batch)
+        prime(epoch + 1)
     sync()
     t_start = time.perf_counter()
     pin0, copied0 = getattr(loader, "pin_s", 0.0), getattr(loader, "num_copied", 0)
@@ -186,6 +190,9 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
                 marks[-1][1].record()
             tokens += batch_tokens(batch)
             steps += 1
+            t_fetch = time.perf_counter()
+        if epoch + 1 < warmup_epochs + timed_epochs:
+            prime(epoch + 1)
             t_fetch = time.perf_counter()
     sync()
     timed_s = time.perf_counter() - t_start

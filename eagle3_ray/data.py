@@ -496,6 +496,8 @@ class RingLoader:
         return len(self.loader)
 
     def __iter__(self):
+        """Not a generator: the workers get this iteration's first batches when iter() is called (what
+        train_worker.DeviceBatches.prime relies on), not at the first next()."""
         batches = iter(self.loader)  # persistent workers finish the previous iteration's batches before this returns
         with self._sampler.lock:
             dropped = [tag for tag, it in self._sampler.pending.items() if it < self._sampler.iteration]
@@ -503,6 +505,9 @@ class RingLoader:
                 del self._sampler.pending[tag]
         for tag in dropped:
             self.ring.release(*tag)
+        return self._views(batches)
+
+    def _views(self, batches):
         for batch in batches:
             worker, n, layout = batch.pop(RING_KEY)
             with self._sampler.lock:

@@ -132,13 +132,30 @@ class DeviceBatches:
         self.batch_sampler = loader.batch_sampler
         self.pin_s, self.num_copied = 0.0, 0
         self.h2d_events: deque = deque(maxlen=256)  # (start, end) CUDA events of recent copies + decodes
+        self._primed: tuple[int, Any] | None = None  # (epoch, the loader's iterator for it)
 
     def __len__(self) -> int:
         return len(self.loader)
 
+    def prime(self, epoch: int) -> None:
+        """Hand the loader's workers `epoch`'s first batches now (persistent workers start reading when the
+        iterator is made): the worker calls it once an epoch's steps are queued, so the next epoch's first reads
+        overlap the last steps, validation and the checkpoint instead of opening the epoch with the loop waiting
+        (at total_seq_len 8192 a batch is ~270 MB to read and pack). The next iteration uses them if the sampler is
+        still at `epoch`; otherwise the loader starts over (a persistent DataLoader drops what was dispatched)."""
+        self.batch_sampler.set_epoch(epoch)
+        self._primed = (epoch, iter(self.loader))
+
+    def _batches(self):
+        """This iteration's loader iterator: the primed one when it was made for the sampler's epoch."""
+        primed, self._primed = self._primed, None
+        if primed is not None and primed[0] == getattr(self.batch_sampler, "epoch", None):
+            return primed[1]
+        return iter(self.loader)
+
     def __iter__(self):
         if self.device.type != "cuda":
-            for batch in self.loader:
+            for batch in self._batches():
                 try:
                     host = {k: v for k, v in batch.items() if k != data.RING_KEY}
                     yield {**host, **to_device(host, self.device, self.dtype)}
@@ -147,7 +164,8 @@ class DeviceBatches:
             return
         ready: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(ready, stop), name="eagle3-h2d", daemon=True)
+        thread = threading.Thread(target=self._produce, args=(self._batches(), ready, stop), name="eagle3-h2d",
+                                  daemon=True)
         thread.start()
         try:
             while (item := ready.get()) is not None:
@@ -168,12 +186,12 @@ class DeviceBatches:
                 except queue.Empty:
                     pass
 
-    def _produce(self, ready: queue.Queue, stop: threading.Event) -> None:
+    def _produce(self, batches, ready: queue.Queue, stop: threading.Event) -> None:
         torch.set_num_threads(self.pin_threads)  # this thread's copies only (the DataLoader's pin loop uses one)
         stream = torch.cuda.Stream(self.device)
         try:
             with torch.cuda.device(self.device):
-                for batch in self.loader:
+                for batch in batches:
                     try:
                         if stop.is_set():
                             return
@@ -431,6 +449,8 @@ class Loop:
                 self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
                 window, t_window = MetricSums(), time.perf_counter()
             t_fetch = time.perf_counter()
+        if epoch + 1 < self.cfg.train.epochs and isinstance(self.train_loader, DeviceBatches):
+            self.train_loader.prime(epoch + 1)  # its first batches load while validation and the checkpoint run
         return epoch_sums.reduce()
 
     def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:

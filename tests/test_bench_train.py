@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,64 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
                 break  # the producer thread stops; the next epoch starts a new one
     torch.cuda.synchronize()
     assert batches.num_copied >= 3 and batches.pin_s > 0
+
+
+class _ReadLog:
+    """A ShardDataset that appends each batch it reads to a file (the loader's worker processes write it)."""
+
+    def __init__(self, dataset, path: Path):
+        self.dataset, self.path = dataset, path
+
+    def __getattr__(self, name):
+        return getattr(self.dataset, name)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, indices):
+        with open(self.path, "a") as f:
+            f.write(f"{list(indices)}\n")
+        return self.dataset.__getitems__(indices)
+
+
+def test_a_primed_epoch_yields_that_epochs_batches_and_a_stale_prime_is_dropped(tmp_path):
+    """DeviceBatches.prime(e): the loader's workers read epoch e's first batches before the loop asks for them
+    (the worker primes the next epoch once an epoch's steps are queued); the next iteration yields exactly epoch e's
+    batches, and a prime the loop does not follow is dropped (the loader starts the sampler's epoch afresh)."""
+    from eagle3_ray import data, train_worker
+
+    gen_dir, _ = _tiny_run(tmp_path)
+    refs, _ = data.load_refs(gen_dir)
+    kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=2)
+    loader = data.make_loader(data.ShardDataset(refs, 3), **kwargs)
+    reads = tmp_path / "reads.txt"
+    ring = data.make_loader(_ReadLog(data.ShardDataset(refs, 3), reads), reuse_buffers=True, **kwargs)
+    batches = train_worker.DeviceBatches(ring, torch.device("cpu"), torch.float32)  # a RingLoader, as on GPU
+
+    def host(epoch: int) -> list[torch.Tensor]:
+        loader.batch_sampler.set_epoch(epoch)
+        return [b["input_ids"] for b in loader]
+
+    def device(epoch: int) -> list[torch.Tensor]:
+        ring.batch_sampler.set_epoch(epoch)  # what the worker does at an epoch's start
+        return [b["input_ids"].clone() for b in batches]  # the ring's buffers are reused after each batch
+
+    def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
+        return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+    assert same(device(0), host(0))
+    read_before = reads.read_text().count("\n")
+    batches.prime(1)
+    deadline = time.monotonic() + 60
+    while reads.read_text().count("\n") == read_before:  # epoch 1's first batches are read before anyone asks
+        assert time.monotonic() < deadline, "prime(1) started no reads"
+        time.sleep(0.01)
+    assert same(device(1), host(1))
+    assert reads.read_text().count("\n") - read_before == len(host(1))  # the primed reads were used, none redone
+    batches.prime(3)  # a prime the loop does not follow: dropped, epoch 2 read afresh
+    assert same(device(2), host(2))
+    assert not same(host(1), host(2))  # the epochs differ, so a wrong epoch would fail above
+    assert same(device(3), host(3))  # and the loader goes on as before
 
 
 def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):
