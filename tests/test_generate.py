@@ -219,7 +219,7 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
             pids = storage.read_json(str(infos[0]))["engine_pids"]
             return next(p for p in pids
                         if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name())
-        time.sleep(0.1)
+        time.sleep(0.02)  # the kill should land while most units are still to come, on a fast machine too
     raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
 
 
