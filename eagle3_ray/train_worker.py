@@ -449,8 +449,11 @@ class Loop:
                 self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
                 window, t_window = MetricSums(), time.perf_counter()
             t_fetch = time.perf_counter()
-        if epoch + 1 < self.cfg.train.epochs and isinstance(self.train_loader, DeviceBatches):
-            self.train_loader.prime(epoch + 1)  # its first batches load while validation and the checkpoint run
+        loader = self.train_loader
+        if epoch + 1 < self.cfg.train.epochs and isinstance(loader, DeviceBatches) and loader.device.type == "cuda":
+            # the next epoch's first batches load while validation and the checkpoint run; on CPU the loader shares
+            # the cores the steps use, so reading ahead would only move the reads into validation
+            loader.prime(epoch + 1)
         return epoch_sums.reduce()
 
     def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:
