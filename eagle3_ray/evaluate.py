@@ -19,6 +19,7 @@ import copy
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,6 @@ class EngineBench:
 
     def measure(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
         """Outputs (token ids per prompt), wall time and the spec-decode counter increments of this run."""
-        import time
-
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
