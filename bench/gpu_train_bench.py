@@ -156,10 +156,11 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
     """Runs step_fn(batch) over warmup_epochs + timed_epochs whole epochs and times the timed ones (the device
     synchronized at both ends; steps themselves never wait for it, as in the worker loop): a timed epoch is every
     sample once, so both sides of the bench time the same tokens whatever the packing. The warm-up epoch holds
-    dynamo's compile and the loader's start. Each epoch's end primes the next one's first batches, as the worker
-    loop does (DeviceBatches.prime; there they load during validation and the checkpoint, here during the GPU's
-    last queued steps). The split of a step: `data_wait_frac` (the loop blocked on the next batch, the epoch's
-    first fetch included), and on CUDA `compute_ms` (GPU time from a step's first kernel to its
+    dynamo's compile and the loader's start. Each epoch primes the next one's first batches the moment the loader has
+    given its own last batch, as the worker loop does (DeviceBatches.next_epoch; there they load during the last
+    steps, validation and the checkpoint, here during the last steps only). The split of a step: `data_wait_frac`
+    (the loop blocked on the next batch) with `first_fetch_ms` (of it, the wait for each timed epoch's first batch),
+    and on CUDA `compute_ms` (GPU time from a step's first kernel to its
     last, CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time
     of a batch's copy + decode on the side stream, overlapped with compute) and `pin_ms` (host copy into pinned
     memory, in its thread)."""
@@ -167,21 +168,29 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    prime = getattr(loader, "prime", lambda epoch: None)  # as the worker does once an epoch's steps are queued
-    for epoch in range(warmup_epochs):
+    num_epochs = warmup_epochs + timed_epochs
+
+    def start(epoch: int) -> None:
         loader.batch_sampler.set_epoch(epoch)
+        if hasattr(loader, "next_epoch"):  # as the worker loop sets it
+            loader.next_epoch = epoch + 1 if epoch + 1 < num_epochs else None
+
+    for epoch in range(warmup_epochs):
+        start(epoch)
         for batch in loader:
             step_fn(batch)
-        prime(epoch + 1)
     sync()
     t_start = time.perf_counter()
     pin0, copied0 = getattr(loader, "pin_s", 0.0), getattr(loader, "num_copied", 0)
-    waits, tokens, steps, marks = 0.0, 0.0, 0, []
-    for epoch in range(warmup_epochs, warmup_epochs + timed_epochs):
-        loader.batch_sampler.set_epoch(epoch)
-        t_fetch = time.perf_counter()
+    waits, first_waits, tokens, steps, marks = 0.0, 0.0, 0.0, 0, []
+    for epoch in range(warmup_epochs, num_epochs):
+        start(epoch)
+        t_fetch, first = time.perf_counter(), True
         for batch in loader:
-            waits += time.perf_counter() - t_fetch
+            wait = time.perf_counter() - t_fetch
+            waits += wait
+            if first:
+                first_waits, first = first_waits + wait, False
             if cuda:
                 marks.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                 marks[-1][0].record()
@@ -191,13 +200,11 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
             tokens += batch_tokens(batch)
             steps += 1
             t_fetch = time.perf_counter()
-        if epoch + 1 < warmup_epochs + timed_epochs:
-            prime(epoch + 1)
-            t_fetch = time.perf_counter()
     sync()
     timed_s = time.perf_counter() - t_start
     result = {"steps": steps, "tokens": int(tokens), "timed_s": timed_s, "tokens_per_s": tokens / timed_s,
-              "step_ms": 1000 * timed_s / steps, "data_wait_frac": waits / timed_s, "tokens_per_step": tokens / steps}
+              "step_ms": 1000 * timed_s / steps, "data_wait_frac": waits / timed_s, "tokens_per_step": tokens / steps,
+              "first_fetch_ms": 1000 * first_waits / timed_epochs}
     if cuda:
         compute_ms = sum(a.elapsed_time(b) for a, b in marks)
         result.update(compute_ms=compute_ms / steps, gpu_busy_frac=compute_ms / (1000 * timed_s))
@@ -331,7 +338,7 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], lengths: 
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'seq_len':>8} {'impl':<22} {'tokens':>9} {'steps':>5} {'timed s':>8} {'tokens/s':>10} {'step ms':>9} "
-          f"{'data wait':>9} {'h2d ms':>7} {'compute ms':>10} {'ratio':>6} {'floor tok/s':>11}")
+          f"{'data wait':>9} {'1st ms':>7} {'h2d ms':>7} {'compute ms':>10} {'ratio':>6} {'floor tok/s':>11}")
     nan = float("nan")
     for r in rows:
         if "error" in r:
@@ -339,7 +346,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(f"{r['total_seq_len']:>8} {r['impl']:<22} {r['tokens']:>9} {r['steps']:>5} {r['timed_s']:>8.2f} "
               f"{r['tokens_per_s']:>10.0f} {r['step_ms']:>9.1f} {r.get('data_wait_frac', nan):>9.3f} "
-              f"{r.get('h2d_ms') or nan:>7.1f} {r.get('compute_ms') or nan:>10.1f} "
+              f"{r.get('first_fetch_ms', nan):>7.1f} {r.get('h2d_ms') or nan:>7.1f} "
+              f"{r.get('compute_ms') or nan:>10.1f} "
               f"{r.get('ratio_vs_speculators', nan):>6.2f} "
               f"{r.get('compute_floor', {}).get('tokens_per_s', nan):>11.0f}")
 

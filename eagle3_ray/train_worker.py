@@ -133,25 +133,34 @@ class DeviceBatches:
         self.pin_s, self.num_copied = 0.0, 0
         self.h2d_events: deque = deque(maxlen=256)  # (start, end) CUDA events of recent copies + decodes
         self._primed: tuple[int, Any] | None = None  # (epoch, the loader's iterator for it)
+        # set by the loop before an epoch: the epoch to prime the moment this one's last batch is taken from the
+        # loader (on CUDA the copy thread takes it `depth` batches before the loop's last step; None: no next epoch)
+        self.next_epoch: int | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def prime(self, epoch: int) -> None:
         """Hand the loader's workers `epoch`'s first batches now (persistent workers start reading when the
-        iterator is made): the worker calls it once an epoch's steps are queued, so the next epoch's first reads
-        overlap the last steps, validation and the checkpoint instead of opening the epoch with the loop waiting
-        (at total_seq_len 8192 a batch is ~270 MB to read and pack). The next iteration uses them if the sampler is
-        still at `epoch`; otherwise the loader starts over (a persistent DataLoader drops what was dispatched)."""
+        iterator is made), between epochs: so the next epoch's first reads overlap the last steps, validation and
+        the checkpoint instead of opening the epoch with the loop waiting (at total_seq_len 8192 a batch is ~270 MB
+        to read and pack). `next_epoch` does it as early as it can be done: when the loader has given the current
+        epoch's last batch. The next iteration uses the primed batches if the sampler is still at `epoch`; otherwise
+        the loader starts over (a persistent DataLoader drops what was dispatched)."""
         self.batch_sampler.set_epoch(epoch)
         self._primed = (epoch, iter(self.loader))
 
     def _batches(self):
-        """This iteration's loader iterator: the primed one when it was made for the sampler's epoch."""
+        """This iteration's loader batches (the primed iterator when it was made for the sampler's epoch); once the
+        loader has given the last one, `next_epoch` is primed (one persistent iterator per loader: not before)."""
         primed, self._primed = self._primed, None
+        next_epoch, self.next_epoch = self.next_epoch, None
         if primed is not None and primed[0] == getattr(self.batch_sampler, "epoch", None):
-            return primed[1]
-        return iter(self.loader)
+            yield from primed[1]
+        else:
+            yield from iter(self.loader)
+        if next_epoch is not None:
+            self.prime(next_epoch)
 
     def __iter__(self):
         if self.device.type != "cuda":
@@ -434,6 +443,11 @@ class Loop:
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
         self.train_loader.batch_sampler.set_epoch(epoch)
+        loader = self.train_loader
+        if isinstance(loader, DeviceBatches) and loader.device.type == "cuda":
+            # the next epoch's first batches load while this one's last steps, validation and the checkpoint run;
+            # on CPU the loader shares the cores the steps use, so reading ahead would only move the reads
+            loader.next_epoch = epoch + 1 if epoch + 1 < self.cfg.train.epochs else None
         window, epoch_sums = MetricSums(), MetricSums()
         t_window = t_fetch = time.perf_counter()
         for i, batch in enumerate(self.train_loader):
@@ -449,11 +463,6 @@ class Loop:
                 self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
                 window, t_window = MetricSums(), time.perf_counter()
             t_fetch = time.perf_counter()
-        loader = self.train_loader
-        if epoch + 1 < self.cfg.train.epochs and isinstance(loader, DeviceBatches) and loader.device.type == "cuda":
-            # the next epoch's first batches load while validation and the checkpoint run; on CPU the loader shares
-            # the cores the steps use, so reading ahead would only move the reads into validation
-            loader.prime(epoch + 1)
         return epoch_sums.reduce()
 
     def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:

@@ -231,9 +231,10 @@ class _ReadLog:
 
 
 def test_a_primed_epoch_yields_that_epochs_batches_and_a_stale_prime_is_dropped(tmp_path):
-    """DeviceBatches.prime(e): the loader's workers read epoch e's first batches before the loop asks for them
-    (the worker primes the next epoch once an epoch's steps are queued); the next iteration yields exactly epoch e's
-    batches, and a prime the loop does not follow is dropped (the loader starts the sampler's epoch afresh)."""
+    """DeviceBatches.prime(e): the loader's workers read epoch e's first batches before the loop asks for them;
+    the next iteration yields exactly epoch e's batches, and a prime the loop does not follow is dropped (the loader
+    starts the sampler's epoch afresh). DeviceBatches.next_epoch (what the worker loop sets on GPU) primes when the
+    loader has given the current epoch's last batch, once, and not after an iteration that stopped early."""
     from eagle3_ray import data, train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
@@ -268,6 +269,28 @@ def test_a_primed_epoch_yields_that_epochs_batches_and_a_stale_prime_is_dropped(
     assert same(device(2), host(2))
     assert not same(host(1), host(2))  # the epochs differ, so a wrong epoch would fail above
     assert same(device(3), host(3))  # and the loader goes on as before
+
+    # next_epoch, set by the loop before an epoch: primed the moment the loader has given that epoch's last batch
+    def reads_since(before: int) -> int:
+        return reads.read_text().count("\n") - before
+
+    ring.batch_sampler.set_epoch(4)
+    batches.next_epoch = 5
+    it = iter(batches)
+    got = [next(it)["input_ids"].clone() for _ in range(len(host(4)))]
+    read_before = reads.read_text().count("\n")
+    assert next(it, None) is None and same(got, host(4))
+    deadline = time.monotonic() + 60
+    while reads_since(read_before) == 0:
+        assert time.monotonic() < deadline, "next_epoch=5 started no reads when epoch 4 ended"
+        time.sleep(0.01)
+    assert batches.next_epoch is None  # one epoch's setting
+    assert same(device(5), host(5)) and reads_since(read_before) == len(host(5))  # the primed reads, none redone
+    batches.next_epoch = 7
+    for _ in zip(range(2), batches):  # a loop that stops early: no prime, the next epoch reads afresh
+        pass
+    assert ring.batch_sampler.epoch == 5  # a prime would have moved the sampler to 7
+    assert same(device(6), host(6))
 
 
 def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):
