@@ -87,6 +87,9 @@ class CaptureWriter:
     # per conversation (conv.timing), summed per unit in its unit_committed line: waiting for vLLM's connector to
     # finish the capture file, reading + checking + encoding it, writing planned shards, the commit's own writes
     TIMINGS = ("capture_wait_s", "prepare_s", "shard_write_s", "commit_write_s")
+    # and when (time.time()); a unit's line has the latest of its samples: the capture file readable, the capture
+    # prepared, its shard written. With engine_done_s and committed_s they split the tail after a unit's last request
+    STAMPS = ("captured_at", "prepared_at", "shard_written_at")
 
     def __init__(self, dtype: str, num_threads: int):
         self.dtype = dtype
@@ -136,13 +139,15 @@ class CaptureWriter:
                 start = time.monotonic()
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
+                conv.timing["captured_at"] = time.time()
                 hs = chat.load_capture(r, conv.capture_path)  # shape: [T, L, H]
                 r["num_tokens"] = hs.shape[0]
                 conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
             except BaseException as e:
                 conv.prepared = e
                 return
-            conv.timing.update(capture_wait_s=waited - start, prepare_s=time.monotonic() - waited)
+            conv.timing.update(capture_wait_s=waited - start, prepare_s=time.monotonic() - waited,
+                               prepared_at=time.time())
             if conv.shard is not None:  # still under the lock: a commit reading this conversation waits for the shard
                 conv.shard[0].prepared(conv.shard[1])
 
@@ -267,7 +272,7 @@ class ShardPlan:
             return
         with self.lock:
             self.written[self.names[j]] = num_bytes
-        convs[-1].timing["shard_write_s"] = time.monotonic() - start
+        convs[-1].timing.update(shard_write_s=time.monotonic() - start, shard_written_at=time.time())
         for c in convs:
             c.prepared = ()  # in the shard now: the tensors can go
 

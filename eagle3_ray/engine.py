@@ -235,11 +235,14 @@ class EngineActor:
         finally:
             await self.budget.release(num_bytes)
         shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
-        # seconds since this engine was ready: when the unit arrived, got its bytes, finished its requests, committed;
-        # then the writer threads' seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
+        # seconds since this engine was ready: when the unit arrived, got its bytes, finished its requests, its last
+        # capture was readable / prepared / in its shard (last_captured_s ..), committed; then the writer threads'
+        # seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
+        stamps = {f"last_{k.removesuffix('_at')}_s": max(c.timing[k] for c in convs if k in c.timing)
+                  for k in commit.CaptureWriter.STAMPS if any(k in c.timing for c in convs)}
         telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
                       **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
-                                                                     ("engine_done_s", engine_done),
+                                                                     ("engine_done_s", engine_done), *stamps.items(),
                                                                      ("committed_s", time.time()))},
                       **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS})
         return rows
