@@ -5,7 +5,7 @@ goes on with other requests.
     engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
     engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
     prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
-    fixes their shards up front, and each shard is written by the thread that prepares its last sample
+    fixes their shards up front, and each sample goes into its shard file as soon as it is prepared
     ShardSink       shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
     GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
     (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import queue
 import threading
 import time
@@ -54,10 +55,9 @@ def encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch
     return shards.encode_sample(key, hidden_states, dtype)
 
 
-def stored_bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Bytes of one token's hidden states as `encode` stores them (fp8: values plus one exponent byte per layer)."""
-    per_value = {"float32": 4, "bfloat16": 2, "fp8": 1}[dtype]
-    return num_layers * (hidden_size * per_value + (dtype == "fp8"))
+def layout_bytes(layout: list[tuple]) -> int:
+    """Bytes of the tensors a shards.sample_layout lists."""
+    return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
 
 
 def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: list[int], shard: str) -> None:
@@ -149,18 +149,20 @@ class CaptureWriter:
             conv.timing.update(capture_wait_s=waited - start, prepare_s=time.monotonic() - waited,
                                prepared_at=time.time())
             if conv.shard is not None:  # still under the lock: a commit reading this conversation waits for the shard
-                conv.shard[0].prepared(conv.shard[1])
+                conv.shard[0].prepared(conv.shard[1], conv)
 
     def _commit(self, unit_id: str, convs: list, sink: Any, future: asyncio.Future) -> None:
+        plans = {id(c.shard[0]): c.shard[0] for c in convs if c.shard is not None}
         try:
             records, encoded, stats = self._read(convs)
-            plans = {id(c.shard[0]): c.shard[0] for c in convs if c.shard is not None}
             shard_bytes = {k: v for p in plans.values() for k, v in p.shard_bytes().items()} if plans else None
             start = time.monotonic()
             result = sink.write(unit_id, records, encoded, stats, shard_bytes)
             if convs:
                 convs[0].timing["commit_write_s"] = time.monotonic() - start
         except BaseException as e:  # the unit fails with it; the actor and its engine go on
+            for plan in plans.values():
+                plan.abort()
             future.get_loop().call_soon_threadsafe(_set, future, None, e)
         else:
             future.get_loop().call_soon_threadsafe(_set, future, result, None)
@@ -221,13 +223,19 @@ class ShardSink:
         for r in records:
             check_sample(self.cfg, r, stats[r["id"]], self.layer_ids, name)
         tensors = {k: v for r in records for k, v in encoded[r["id"]].items()}
-        num_bytes = shards.write_shard(storage.join(self.out_dir, "shards", name), tensors,
-                                       metadata={"unit_id": unit_id})
+        num_bytes = shards.write_shard(self.shard_uri(name), tensors, metadata={"unit_id": unit_id})
         for r in records:
             hs = encoded[r["id"]][f"{r['id']}.hs"]
-            r.update(shard=name, key=r["id"], hidden_size=hs.shape[2], layer_ids=self.layer_ids,
-                     dtype=str(hs.dtype).removeprefix("torch."), **{f"hs_{k}": v for k, v in stats[r["id"]].items()})
+            self.stored(name, r, stats[r["id"]], hs.dtype, hs.shape[2])
         return num_bytes
+
+    def shard_uri(self, name: str) -> str:
+        return storage.join(self.out_dir, "shards", name)
+
+    def stored(self, name: str, record: dict, stats: dict, dtype: torch.dtype, hidden_size: int) -> None:
+        """A sample's manifest columns, once its shard is in place."""
+        record.update(shard=name, key=record["id"], hidden_size=hidden_size, layer_ids=self.layer_ids,
+                      dtype=str(dtype).removeprefix("torch."), **{f"hs_{k}": v for k, v in stats.items()})
 
 
 def shard_names(unit_id: str, num_shards: int) -> list[str]:
@@ -236,26 +244,47 @@ def shard_names(unit_id: str, num_shards: int) -> list[str]:
 
 class ShardPlan:
     """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
-    made (`_num_captured`), so the samples are grouped by their stored bytes up front, in the unit's order, and the
-    writer thread that prepares a shard's last sample writes the shard, while the engine prefills the rest of the
-    unit. Each planned conversation gets `conv.shard = (plan, group index)`; the unit's commit then writes only its
-    part file (ShardSink.write with `shard_bytes()`)."""
+    made (`_num_captured`), so the samples are grouped by their stored bytes up front, in the unit's order, and each
+    shard's layout (shards.sample_layout of its samples) is known. On a local run dir each shard is a
+    shards.StreamedShard: the writer thread that prepares a sample checks it and writes its tensors into the shard
+    file right away (letting go of them), and the thread that writes a shard's last sample moves the shard into
+    place, so a unit's shards are complete moments after its last capture. On an object store the thread that
+    prepares a shard's last sample uploads the shard whole. Each planned conversation gets
+    `conv.shard = (plan, group index)`; the unit's commit then writes only its part file (ShardSink.write with
+    `shard_bytes()`), or, when the unit fails, `abort()` removes its unfinished shard files."""
 
-    def __init__(self, sink: ShardSink, unit_id: str, convs: list, bytes_per_token: int):
-        sizes = [c.record["_num_captured"] * bytes_per_token for c in convs]
-        groups = shards.greedy_groups(sizes, sink.cfg.generate.shard_max_bytes)
-        self.sink, self.lock = sink, threading.Lock()
+    def __init__(self, sink: ShardSink, unit_id: str, convs: list, hidden_size: int):
+        gen = sink.cfg.generate
+        layouts = [shards.sample_layout(c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size,
+                                        gen.hidden_states_dtype) for c in convs]
+        groups = shards.greedy_groups([layout_bytes(x) for x in layouts], gen.shard_max_bytes)
+        self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.groups = [[convs[i] for i in g] for g in groups]
+        self.layouts = [[entry for i in g for entry in layouts[i]] for g in groups]
         self.names = shard_names(unit_id, len(groups))
+        self.streamed = storage.is_local(sink.out_dir)
+        self.files: list[shards.StreamedShard | None] = [None] * len(groups)
         self.left = [len(g) for g in groups]  # samples of each shard not yet prepared
         self.written: dict[str, int] = {}
         self.error: BaseException | None = None
+        self.aborted = False
         for j, group in enumerate(self.groups):
             for conv in group:
                 conv.shard = (self, j)
 
-    def prepared(self, j: int) -> None:
-        """A sample of shard j is prepared (its writer thread, under the conversation's prepare lock)."""
+    def prepared(self, j: int, conv: Any) -> None:
+        """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock)."""
+        try:
+            if self.streamed:
+                start = time.monotonic()
+                stats, encoded = conv.prepared
+                check_sample(self.sink.cfg, conv.record, stats, self.sink.layer_ids, self.names[j])
+                self._file(j).write(encoded)
+                conv.prepared = (stats, None)  # in the shard file: the tensors can go
+                conv.timing["shard_write_s"] = time.monotonic() - start
+        except BaseException as e:  # raised by the unit's commit
+            self._fail(e)
+            return
         with self.lock:
             self.left[j] -= 1
             if self.left[j] or self.error is not None:
@@ -263,18 +292,38 @@ class ShardPlan:
         convs = self.groups[j]
         start = time.monotonic()
         try:
-            num_bytes = self.sink.write_shard(self.names[j], [c.record for c in convs],
-                                              {c.record["id"]: c.prepared[1] for c in convs},
-                                              {c.record["id"]: c.prepared[0] for c in convs})
-        except BaseException as e:  # raised by the unit's commit
-            with self.lock:
-                self.error = self.error or e
+            if self.streamed:
+                num_bytes = self.files[j].finish()
+                hs = {name: (dtype, shape[2]) for name, dtype, shape in self.layouts[j] if name.endswith(".hs")}
+                for c in convs:
+                    self.sink.stored(self.names[j], c.record, c.prepared[0], *hs[f"{c.record['id']}.hs"])
+            else:
+                num_bytes = self.sink.write_shard(self.names[j], [c.record for c in convs],
+                                                  {c.record["id"]: c.prepared[1] for c in convs},
+                                                  {c.record["id"]: c.prepared[0] for c in convs})
+        except BaseException as e:
+            self._fail(e)
             return
         with self.lock:
             self.written[self.names[j]] = num_bytes
-        convs[-1].timing.update(shard_write_s=time.monotonic() - start, shard_written_at=time.time())
+        last = convs[-1].timing
+        last.update(shard_write_s=last.get("shard_write_s", 0.0) + time.monotonic() - start,
+                    shard_written_at=time.time())
         for c in convs:
             c.prepared = ()  # in the shard now: the tensors can go
+
+    def _file(self, j: int) -> shards.StreamedShard:
+        with self.lock:
+            if self.aborted:
+                raise RuntimeError(f"unit {self.unit_id} failed: its shard {self.names[j]} is not written")
+            if self.files[j] is None:
+                self.files[j] = shards.StreamedShard(self.sink.shard_uri(self.names[j]), self.layouts[j],
+                                                     metadata={"unit_id": self.unit_id})
+            return self.files[j]
+
+    def _fail(self, error: BaseException) -> None:
+        with self.lock:
+            self.error = self.error or error
 
     def shard_bytes(self) -> dict[str, int]:
         """At the unit's commit, after every sample was prepared: the shards' bytes, or the first failure."""
@@ -282,6 +331,15 @@ class ShardPlan:
             raise self.error
         assert len(self.written) == len(self.names), f"unwritten shards: {set(self.names) - set(self.written)}"
         return self.written
+
+    def abort(self) -> None:
+        """The unit failed: remove the shard files not moved into place (a writer still at work fails to open its
+        file and records that instead)."""
+        with self.lock:
+            self.aborted = True
+            files = [f for name, f in zip(self.names, self.files) if f is not None and name not in self.written]
+        for f in files:
+            f.abort()
 
 
 class GeneratedSink:

@@ -90,11 +90,6 @@ def load_refs(gen_dir: str) -> tuple[list[SampleRef], list[dict]]:
     return build_refs(manifest, {r["id"]: r for r in convs.to_pylist()}, storage.join(gen_dir, "shards")), manifest
 
 
-# safetensors dtype names of the tensors a shard holds (shards.py)
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-           "I8": torch.int8}
-
-
 class BadSampleError(ValueError):
     """A sample that cannot be trained on; the message names its shard file and key."""
 
@@ -127,7 +122,7 @@ class ShardReader:
             raise BadSampleError(f"{uri}: key {name} is missing")
         start, end = entry["data_offsets"]
         if end == start:
-            return torch.empty(entry["shape"], dtype=_DTYPES[entry["dtype"]])
+            return torch.empty(entry["shape"], dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
         # a slice of the mapped file's buffer is a view; read_at (any file) returns a bytes copy
         data = f.slice(payload + start, end - start) if isinstance(f, pa.Buffer) else f.read_at(end - start,
                                                                                                   payload + start)
@@ -136,9 +131,9 @@ class ShardReader:
         if isinstance(f, pa.Buffer):
             with warnings.catch_warnings():  # read-only by design: nothing writes into a sample's tensors
                 warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(memoryview(data), dtype=_DTYPES[entry["dtype"]])
+                flat = torch.frombuffer(memoryview(data), dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
         else:
-            flat = torch.frombuffer(bytearray(data), dtype=_DTYPES[entry["dtype"]])
+            flat = torch.frombuffer(bytearray(data), dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
         return flat.reshape(entry["shape"])
 
 

@@ -6,8 +6,9 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
         -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
         -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
            or stream rows)
-    A prefill unit's shards are planned when its requests are made (commit.ShardPlan) and each is written as soon
-    as its samples are prepared, so only the last shard and the part file follow the unit's last request.
+    A prefill unit's shards are planned when its requests are made (commit.ShardPlan) and, on a local run dir,
+    each sample goes into its shard file as soon as it is prepared, so only the last samples' writes, the shards'
+    moves into place and the part file follow the unit's last request.
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
@@ -177,11 +178,9 @@ class EngineActor:
         tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code)
         self.chat = chat.ChatEncoder(tokenizer, self.cfg.generate.enable_thinking)
         self.sink = self.make_sink()
-        hidden_size = self._hidden_size(verifier_path) if kind != "plain" else 0
+        self.hidden_size = hidden_size = self._hidden_size(verifier_path) if kind != "plain" else 0
         itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
         self.bytes_per_token = len(layer_ids) * hidden_size * itemsize  # what the connector writes per token
-        self.stored_bytes_per_token = commit.stored_bytes_per_token(len(layer_ids), hidden_size,
-                                                                    self.cfg.generate.hidden_states_dtype)
         self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
         self.requests = RequestLoop(self.llm.llm_engine)
@@ -276,7 +275,7 @@ class EngineActor:
         first = [req for conv in convs for req in advance(conv, conv.start())]
         if self.kind == "prefill" and isinstance(self.sink, commit.ShardSink):  # every T is known: plan the shards
             commit.ShardPlan(self.sink, unit_id, [c for c in convs if c.capture_path and c.record["status"] == "ok"],
-                             self.stored_bytes_per_token)
+                             self.hidden_size)
         if not convs:
             future.set_result([])
         self.requests.submit(first)

@@ -6,22 +6,31 @@ A shard holds, for each sample `key`:
 where T = number of captured tokens, L = number of captured layers (aux layers then the final layer), H = hidden size.
 
 A manifest row per sample names its shard file and key (MANIFEST_SCHEMA). Shards are written under a temporary name
-and moved into place (storage.write_bytes_atomic), so a shard's final name only ever holds a complete file.
+and moved into place (storage.atomic_local_file, storage.write_bytes_atomic), so a shard's final name only ever holds
+a complete file. A prefill unit's local shards are written sample by sample into their final offsets (StreamedShard).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import struct
+import uuid
 
 import pyarrow as pa
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_ray import storage
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# safetensors' header names of the dtypes shards hold (its format: 8-byte little-endian header length, the JSON
+# header {name: {dtype, shape, data_offsets [begin, end) into the payload}, "__metadata__": {...}}, the payload)
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                      "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8}
 
 MANIFEST_SCHEMA = pa.schema([
     ("id", pa.string()),             # sample id (content hash from ingest)
@@ -58,6 +67,80 @@ def encode_sample(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str
     if dtype == "bfloat16":
         return {f"{key}.hs": hidden_states.to(torch.bfloat16).contiguous()}
     raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
+
+
+def sample_layout(key: str, num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> list[tuple]:
+    """(name, torch dtype, shape) of each tensor encode_sample stores for a sample of `num_tokens` captured tokens
+    (`dtype` "float32" too: commit.encode's exact storage)."""
+    hs = (f"{key}.hs", [num_tokens, num_layers, hidden_size])
+    if dtype == "fp8":
+        return [(hs[0], torch.float8_e4m3fn, hs[1]), (f"{key}.scale", torch.int8, [num_tokens, num_layers])]
+    if dtype in ("bfloat16", "float32"):
+        return [(hs[0], getattr(torch, dtype), hs[1])]
+    raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
+
+
+class StreamedShard:
+    """A local shard whose tensors are all known by name, dtype and shape before any value is: the safetensors
+    header and every tensor's byte range are fixed when it is made, so each sample is written into its final offsets
+    (os.pwrite, from any thread, each with its own descriptor) as soon as it is ready, instead of the whole shard
+    once the last sample is. `finish()` (after every tensor was written) has safetensors open the file, which checks
+    the header against the payload, and moves it into place; `abort()` removes it.
+
+        shard = StreamedShard(uri, layout, metadata)   # layout: [(name, torch dtype, shape)], in file order
+        shard.write(tensors)                           # any subset of the layout, e.g. one sample's tensors
+        num_bytes = shard.finish()
+    """
+
+    def __init__(self, uri: str, layout: list[tuple[str, torch.dtype, list[int]]],
+                 metadata: dict[str, str] | None = None):
+        names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        offset = 0
+        for name, dtype, shape in layout:
+            end = offset + dtype.itemsize * int(torch.Size(shape).numel())
+            header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            self.entries[name] = (dtype, list(shape), offset, end)
+            offset = end
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the payload starts 8-byte aligned, as safetensors writes it
+        self.payload = 8 + len(encoded)
+        self.size = self.payload + offset
+        self.path = storage.local_path(uri)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"  # the temp name storage.atomic_local_file uses
+        fd = os.open(self.tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            os.ftruncate(fd, self.size)
+            os.pwrite(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+        finally:
+            os.close(fd)
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write these tensors at their offsets; each must match its layout entry exactly."""
+        fd = os.open(self.tmp, os.O_WRONLY)  # no O_CREAT: after abort() a late writer fails instead of writing
+        try:
+            for name, t in tensors.items():
+                dtype, shape, begin, end = self.entries[name]
+                if t.dtype != dtype or list(t.shape) != shape:
+                    raise ValueError(f"{self.path}: {name} is {t.dtype} {list(t.shape)}, its layout {dtype} {shape}")
+                data = memoryview(t.detach().contiguous().view(torch.uint8).numpy())
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(fd, data[written:], self.payload + begin + written)
+        finally:
+            os.close(fd)
+
+    def finish(self) -> int:
+        with safe_open(self.tmp, framework="pt"):
+            pass  # safetensors rejects a header whose offsets do not cover the payload exactly
+        os.replace(self.tmp, self.path)
+        return self.size
+
+    def abort(self) -> None:
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -15,6 +15,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
+from safetensors import safe_open
 
 from eagle3_ray import shards, storage
 from eagle3_ray.config import config_from_dict
@@ -313,11 +314,42 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
-def test_planned_shard_sizes_are_the_bytes_the_encoded_samples_take(dtype):
-    from eagle3_ray.commit import encode, stored_bytes_per_token
+def test_a_planned_shard_layout_is_what_the_encoded_sample_stores_and_a_streamed_shard_reads_back(tmp_path, dtype):
+    """shards.sample_layout (a prefill unit's shards are planned from it before any capture) lists exactly the
+    tensors commit.encode stores; a StreamedShard written sample by sample, out of order, is a safetensors file that
+    holds them, read back by safetensors and by the training reader; a tensor off its layout is refused."""
+    from eagle3_ray import data
+    from eagle3_ray.commit import encode, layout_bytes
 
-    hs = torch.randn(7, 3, 16)  # shape: [T, L, H]
-    assert shards.tensor_bytes(encode("s", hs, dtype)) == 7 * stored_bytes_per_token(3, 16, dtype)
+    samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
+    encoded = {k: encode(k, hs, dtype) for k, hs in samples.items()}
+    layouts = {k: shards.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
+    for k, tensors in encoded.items():
+        assert [(n, t.dtype, list(t.shape)) for n, t in tensors.items()] == layouts[k]
+        assert shards.tensor_bytes(tensors) == layout_bytes(layouts[k])
+    uri = str(tmp_path / "shards" / "u-0000.safetensors")
+    shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
+    with pytest.raises(ValueError, match="its layout"):
+        shard.write({"s1.hs": encoded["s0"]["s0.hs"]})  # s0's tensor where s1's goes: refused
+    for k in ["s2", "s0", "s1"]:  # threads finish in any order
+        shard.write(encoded[k])
+    assert not Path(uri).exists()  # only a finished shard has its final name
+    assert shard.finish() == Path(uri).stat().st_size and not list(tmp_path.glob("shards/*.tmp-*"))
+    with safe_open(uri, framework="pt") as f:
+        assert f.metadata() == {"unit_id": "u"}
+        assert {n: f.get_tensor(n) for n in f.keys()}.keys() == {n for t in encoded.values() for n in t}
+        for tensors in encoded.values():
+            for n, t in tensors.items():
+                assert torch.equal(f.get_tensor(n).view(torch.uint8), t.view(torch.uint8)), n
+    reader = data.ShardReader()
+    for tensors in encoded.values():
+        for n, t in tensors.items():
+            assert torch.equal(reader.tensor(uri, n).view(torch.uint8), t.view(torch.uint8)), n
+    aborted = shards.StreamedShard(str(tmp_path / "shards" / "u-0001.safetensors"), layouts["s1"])
+    aborted.abort()
+    assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
+    with pytest.raises(FileNotFoundError):
+        aborted.write(encoded["s1"])  # a writer late for an aborted shard writes nothing anywhere
 
 
 def test_generate_summary_records_per_layer_capture_stats(fp32_run):
@@ -404,3 +436,65 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly
     summary = run(cfg)
     assert summary["rows_ok"] == table.num_rows
     assert_every_sample_exactly_once(out, table)
+
+
+class _Conv:
+    """What commit.CaptureWriter and ShardPlan read of a chat.Conversation whose request has finished."""
+
+    def __init__(self, sample_id: str, capture_path: str, num_tokens: int):
+        self.record = {"id": sample_id, "unit_id": "u", "status": "ok", "input_ids": list(range(num_tokens)),
+                       "_num_captured": num_tokens}
+        self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
+        self.shard, self.timing = None, {}
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no_partial_shard(tmp_path, bad):
+    """A prefill unit through the actor's real writer threads, on capture files as vLLM's connector writes them:
+    each planned shard is streamed as its samples are prepared, holds exactly those samples, and its samples' rows
+    name it; a sample failing the capture check fails the unit's commit, and no temp or partial shard remains."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    from eagle3_ray import commit
+
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=2 * 6 * 4 * 16 * 2, writer_threads=3)  # 2 samples a shard
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
+    hidden = {f"s{i}": torch.randn(6, 4, 16).to(torch.bfloat16) for i in range(5)}  # shape: [T, L, H]
+    if bad:
+        hidden["s3"][:, 1] = float("nan")
+    convs = []
+    for k, hs in hidden.items():
+        path = str(tmp_path / "scratch" / f"{k}.safetensors")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file({"hidden_states": hs, "token_ids": torch.arange(6)}, path)
+        Path(path + ".lock").touch()  # the connector's lock file, released: the capture is complete
+        convs.append(_Conv(k, path, 6))
+    plan = commit.ShardPlan(sink, "u", convs, hidden_size=16)
+    assert [len(g) for g in plan.groups] == [2, 2, 1]
+    writer = commit.CaptureWriter("bfloat16", num_threads=3)
+
+    async def run_unit():
+        for c in convs:
+            writer.prepare(c)
+        return await writer.commit("u", convs, sink)
+
+    shards_dir = tmp_path / "gen" / "shards"
+    if bad:
+        with pytest.raises(commit.CaptureCheckError, match="sample s3"):
+            asyncio.run(run_unit())
+        assert not list(shards_dir.glob("*.tmp-*")) and not (shards_dir / "u-0001.safetensors").exists()
+        assert not Path(sink.part_uri("u")).exists()
+        return
+    rows = asyncio.run(run_unit())
+    assert sorted(p.name for p in shards_dir.iterdir()) == ["u-0000.safetensors", "u-0001.safetensors",
+                                                           "u-0002.safetensors"]
+    assert sum(r["num_bytes"] for r in rows) == sum(p.stat().st_size for p in shards_dir.iterdir())
+    part = pq.read_table(sink.part_uri("u")).to_pylist()
+    assert [r["shard"] for r in part] == [f"u-000{j}.safetensors" for j in (0, 0, 1, 1, 2)]
+    for r in part:
+        with safe_open(str(shards_dir / r["shard"]), framework="pt") as f:
+            assert torch.equal(f.get_tensor(f"{r['id']}.hs"), hidden[r["id"]]) and r["num_tokens"] == 6
+            assert r["hidden_size"] == 16 and r["dtype"] == "bfloat16" and len(r["hs_norm_sum"]) == 4
+    assert all(c.prepared == () for c in convs)  # the writer let go of every sample's tensors
