@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import queue
 import threading
 import time
@@ -53,11 +52,6 @@ def encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch
     if dtype == "float32":  # exact storage, for checks against a reference forward pass
         return {f"{key}.hs": hidden_states.float().contiguous()}
     return shards.encode_sample(key, hidden_states, dtype)
-
-
-def layout_bytes(layout: list[tuple]) -> int:
-    """Bytes of the tensors a shards.sample_layout lists."""
-    return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
 
 
 def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: list[int], shard: str) -> None:
@@ -257,7 +251,7 @@ class ShardPlan:
         gen = sink.cfg.generate
         layouts = [shards.sample_layout(c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size,
                                         gen.hidden_states_dtype) for c in convs]
-        groups = shards.greedy_groups([layout_bytes(x) for x in layouts], gen.shard_max_bytes)
+        groups = shards.greedy_groups([shards.layout_bytes(x) for x in layouts], gen.shard_max_bytes)
         self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.groups = [[convs[i] for i in g] for g in groups]
         self.layouts = [[entry for i in g for entry in layouts[i]] for g in groups]

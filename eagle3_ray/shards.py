@@ -13,15 +13,16 @@ a complete file. A prefill unit's local shards are written sample by sample into
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import uuid
 
 import pyarrow as pa
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3_ray import storage
@@ -80,6 +81,11 @@ def sample_layout(key: str, num_tokens: int, num_layers: int, hidden_size: int, 
     raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
 
 
+def layout_bytes(layout: list[tuple]) -> int:
+    """Bytes of the tensors a sample_layout lists."""
+    return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
+
+
 class StreamedShard:
     """A local shard whose tensors are all known by name, dtype and shape before any value is: the safetensors
     header and every tensor's byte range are fixed when it is made, so each sample is written into its final offsets
@@ -99,7 +105,7 @@ class StreamedShard:
         self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
         offset = 0
         for name, dtype, shape in layout:
-            end = offset + dtype.itemsize * int(torch.Size(shape).numel())
+            end = offset + layout_bytes([(name, dtype, shape)])
             header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
             self.entries[name] = (dtype, list(shape), offset, end)
             offset = end

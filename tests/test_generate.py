@@ -319,14 +319,14 @@ def test_a_planned_shard_layout_is_what_the_encoded_sample_stores_and_a_streamed
     tensors commit.encode stores; a StreamedShard written sample by sample, out of order, is a safetensors file that
     holds them, read back by safetensors and by the training reader; a tensor off its layout is refused."""
     from eagle3_ray import data
-    from eagle3_ray.commit import encode, layout_bytes
+    from eagle3_ray.commit import encode
 
     samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
     encoded = {k: encode(k, hs, dtype) for k, hs in samples.items()}
     layouts = {k: shards.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
     for k, tensors in encoded.items():
         assert [(n, t.dtype, list(t.shape)) for n, t in tensors.items()] == layouts[k]
-        assert shards.tensor_bytes(tensors) == layout_bytes(layouts[k])
+        assert shards.tensor_bytes(tensors) == shards.layout_bytes(layouts[k])
     uri = str(tmp_path / "shards" / "u-0000.safetensors")
     shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
     with pytest.raises(ValueError, match="its layout"):
