@@ -9,7 +9,10 @@ generate mode, one request per user turn; each conversation advances on its own 
         hidden     [h0 h1 ... h(m-1) | g0 ... g(k-2)]        T = n - 1: the last response token is never fed back
 two_pass mode: the same turns on a plain engine ("plain", nothing captured), then one prefill of input_ids[:-1]
     (max_tokens=1): the same input_ids, loss_mask and T = n - 1 as generate mode, without capture during decode.
-capture_only mode: one prefill request (max_tokens=1) over the templated conversation; T = n.
+capture_only mode: one prefill request (max_tokens=1) over the templated conversation; T = n. The planner tokenizes
+    it already (generate.with_prefill_ids: the count is the unit plan's cost), so the engine actor sends those ids on
+    at once, and the loss mask (two more template passes per assistant turn) is left to the writer thread
+    (Conversation.complete_record), off the engine's path.
 loss_mask is 1 on every assistant turn's tokens (content and its end-of-turn tokens), 0 elsewhere.
 """
 
@@ -33,11 +36,15 @@ class ChatEncoder:
     def __init__(self, tokenizer: Any, enable_thinking: bool | None):
         self.tokenizer = tokenizer
         self.template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        # the engine loop and the writer threads (capture_only's loss masks) share it; a fast tokenizer used from
+        # two threads at once can fail ("Already borrowed"), and templating holds the GIL anyway
+        self.lock = threading.Lock()
 
     def encode(self, messages: list[Message], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **self.template_kwargs)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        with self.lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt, **self.template_kwargs)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def assistant_spans(self, messages: list[Message]) -> list[tuple[int, int]]:
         """[start, end) token ranges of each assistant message of a templated conversation."""
@@ -141,18 +148,29 @@ class Conversation:
         self.record["_num_captured"] = len(input_ids) - 1
 
     def _prefill(self):
-        r = self.record
-        if self.sample.get("input_ids") is not None:  # two_pass: exactly the tokens the first pass generated
-            ids, mask, finish = self.sample["input_ids"], self.sample["loss_mask"], self.sample["finish_reason"]
+        r, s = self.record, self.sample
+        if s.get("loss_mask") is not None:  # two_pass: exactly the tokens the first pass generated
+            ids, mask, finish = s["input_ids"], s["loss_mask"], s["finish_reason"]
             prompt = ids[:-1]
-        else:
-            ids = prompt = self.encoder.encode(r["messages"], False)
-            mask, finish = loss_mask(self.encoder.assistant_spans(r["messages"]), len(ids)), "capture_only"
+        else:  # capture_only: the planner's ids when it sent them; the mask waits for complete_record
+            ids = s["input_ids"] if s.get("input_ids") is not None else self.encoder.encode(r["messages"], False)
+            prompt, mask, finish = ids, None, "capture_only"
         if not self._fits(prompt):
             return None
-        r.update(input_ids=ids, loss_mask=mask, finish_reason=finish, num_response_tokens=sum(mask),
-                 num_prompt_tokens=len(ids) - sum(mask), _num_captured=len(prompt))
+        r.update(input_ids=ids, loss_mask=mask, finish_reason=finish, _num_captured=len(prompt))
         return self._request(prompt, 1, capture=True, include_output=False)
+
+    def complete_record(self) -> None:
+        """A prefill record's token counts, and capture_only's loss mask first (two template passes per assistant
+        turn): called by the writer thread before it reads the capture, so the engine's requests never wait for it.
+        Idempotent; generate-mode records are complete already."""
+        r = self.record
+        if self.kind != "prefill" or r["status"] != "ok" or "num_prompt_tokens" in r:
+            return
+        if r["loss_mask"] is None:
+            r["loss_mask"] = loss_mask(self.encoder.assistant_spans(r["messages"]), len(r["input_ids"]))
+        num_response = sum(r["loss_mask"])
+        r.update(num_response_tokens=num_response, num_prompt_tokens=len(r["input_ids"]) - num_response)
 
     def _request(self, prompt: list[int], max_tokens: int, capture: bool, include_output: bool):
         from vllm import SamplingParams

@@ -2,7 +2,8 @@
 soon as it finishes (stats, bf16/fp8 encoding), and when its unit is done hand the unit to its sink, while the engine
 goes on with other requests.
 
-    engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
+    engine loop (conversation done) --CaptureWriter.prepare--> writer thread: (capture_only: loss mask) -> read scratch
+                                                               file -> stats -> encode
     engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
     prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
     fixes their shards up front, and each sample goes into its shard file as soon as it is prepared
@@ -130,6 +131,7 @@ class CaptureWriter:
                 return
             r = conv.record
             try:
+                conv.complete_record()  # capture_only's loss mask, here rather than on the engine's path
                 start = time.monotonic()
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
@@ -166,7 +168,9 @@ class CaptureWriter:
         ShardPlan wrote already)."""
         records, encoded, stats = [c.record for c in convs], {}, {}
         for c in convs:
-            if c.record["status"] == "ok" and c.capture_path:
+            if not (c.record["status"] == "ok" and c.capture_path):
+                c.complete_record()  # (a capture's record is completed by its prepare)
+            else:
                 self._prepare(c)
                 if isinstance(c.prepared, BaseException):
                     raise c.prepared

@@ -42,11 +42,21 @@ def version(cfg: Config) -> str:
                                 stage.version(cfg, "ingest"))
 
 
+def with_prefill_ids(rows: list[dict[str, Any]], cfg: Config, encoder: Any) -> list[dict[str, Any]]:
+    """capture_only: each row with its templated conversation's ids (`input_ids`), the tokens its prefill captures.
+    Tokenized once, here: their count is the sample's cost in the plan, and the unit carries them to the engine
+    actor, whose requests go out without templating anything (chat.Conversation)."""
+    if cfg.generate.mode != "capture_only":
+        return rows
+    return [{**r, "input_ids": encoder.encode(r["messages"], False)} for r in rows]
+
+
 def sample_cost(row: dict[str, Any], cfg: Config, encoder: Any) -> int:
-    """Tokens a sample occupies in an engine call: its prompt(s) plus the responses it may generate."""
+    """Tokens a sample occupies in an engine call: its prompt(s) plus the responses it may generate (capture_only:
+    the rows of with_prefill_ids)."""
     gen = cfg.generate
     if gen.mode == "capture_only":
-        return len(encoder.encode(row["messages"], False))
+        return len(row["input_ids"])
     if row["num_turns"] <= 1:
         return row["num_prompt_tokens"] + gen.max_tokens
     users = [m for m in row["messages"] if m["role"] != "assistant"]
@@ -63,6 +73,8 @@ def plan_units(rows: list[dict[str, Any]], costs: list[int], cfg: Config) -> tup
                             "detail": f"{cost} tokens > generate.max_batch_tokens {budget}"})
             continue
         sample = {"id": row["id"], "messages": row["messages"], "source": row["source"]}
+        if row.get("input_ids") is not None:  # with_prefill_ids
+            sample["input_ids"] = row["input_ids"]
         if (group := packer.add((sample, cost), cost)) is not None:
             groups.append(group)
     groups += [last] if (last := packer.flush()) else []
@@ -113,6 +125,7 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
     done = committed_ids(out)
     pending = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(done), pa.string())))).to_pylist()
     encoder = chat_encoder(verifier_path, cfg)
+    pending = with_prefill_ids(pending, cfg, encoder)
     units, plan_rejects = plan_units(pending, [sample_cost(r, cfg, encoder) for r in pending], cfg)
     telemetry.log(STAGE, "plan", path=out, rows_in=table.num_rows, already_done=len(done), units=len(units),
                   samples=sum(len(u.samples) for u in units), plan_rejects=len(plan_rejects))

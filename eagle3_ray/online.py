@@ -29,7 +29,7 @@ from ray.train import DataConfig
 
 from eagle3_ray import chat, data, stage, storage, vocab
 from eagle3_ray.config import Config, versioned
-from eagle3_ray.generate import chat_encoder, engine_pool_args, plan_units, sample_cost
+from eagle3_ray.generate import chat_encoder, engine_pool_args, plan_units, sample_cost, with_prefill_ids
 from eagle3_ray.generate_output import capture_contract
 from eagle3_ray.online_engine import StreamEngine
 from eagle3_ray.tiny_verifier import verifier_dir
@@ -116,6 +116,7 @@ def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
     rows = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
     encoder = chat_encoder(verifier_path, cfg)
+    rows = with_prefill_ids(rows, cfg, encoder)
     costs = [sample_cost(r, cfg, encoder) for r in rows]
     units, rejects = plan_units(rows, costs, cfg)
     return rows, units, rejects, costs, encoder

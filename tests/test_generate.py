@@ -438,6 +438,41 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly
     assert_every_sample_exactly_once(out, table)
 
 
+def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_the_loss_mask(tmp_path, tiny_llama):
+    """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
+    exactly those ids without templating anything, and the record's loss mask, filled in later by the writer thread,
+    is the assistant spans' mask with counts that add up."""
+    from eagle3_ray import chat, generate
+
+    cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only")
+    encoder = generate.chat_encoder(tiny_llama, cfg)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"},
+                {"role": "assistant", "content": "Green, like grass."}]
+    rows = generate.with_prefill_ids([{"id": "a", "source": "t", "messages": messages}], cfg, encoder)
+    units, rejects = generate.plan_units(rows, [generate.sample_cost(r, cfg, encoder) for r in rows], cfg)
+    ids = encoder.encode(messages, False)
+    sample = units[0].samples[0]
+    assert not rejects and sample["input_ids"] == ids and units[0].num_tokens == len(ids)
+
+    class Counting(chat.ChatEncoder):
+        calls = 0
+
+        def encode(self, *args):
+            Counting.calls += 1
+            return super().encode(*args)
+
+    conv = chat.Conversation(sample, Counting(encoder.tokenizer, None), cfg, str(tmp_path), "u", "prefill")
+    _, prompt, params = conv.start()
+    assert prompt["prompt_token_ids"] == ids and params.max_tokens == 1 and Counting.calls == 0
+    assert conv.record["loss_mask"] is None  # not on the engine's path
+    conv.complete_record()
+    mask, r = conv.record["loss_mask"], conv.record
+    assert mask == chat.loss_mask(encoder.assistant_spans(messages), len(ids)) and 0 < sum(mask) < len(ids)
+    assert r["num_response_tokens"] == sum(mask) and r["num_prompt_tokens"] + sum(mask) == len(ids)
+    assert r["finish_reason"] == "capture_only" and r["_num_captured"] == len(ids)  # T = n
+
+
 class _Conv:
     """What commit.CaptureWriter and ShardPlan read of a chat.Conversation whose request has finished."""
 
@@ -446,6 +481,9 @@ class _Conv:
                        "_num_captured": num_tokens}
         self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
         self.shard, self.timing = None, {}
+
+    def complete_record(self) -> None:
+        pass  # the record holds all it commits with
 
 
 @pytest.mark.parametrize("bad", [False, True])
