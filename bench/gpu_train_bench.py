@@ -156,9 +156,9 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
     """Runs step_fn(batch) over warmup_epochs + timed_epochs whole epochs and times the timed ones (the device
     synchronized at both ends; steps themselves never wait for it, as in the worker loop): a timed epoch is every
     sample once, so both sides of the bench time the same tokens whatever the packing. The warm-up epoch holds
-    dynamo's compile and the loader's start. Each epoch primes the next one's first batches the moment the loader has
-    given its own last batch, as the worker loop does (DeviceBatches.next_epoch; there they load during the last
-    steps, validation and the checkpoint, here during the last steps only). The split of a step: `data_wait_frac`
+    dynamo's compile and the loader's start. A DeviceBatches made for these epochs (make_loaders: train.epochs) runs one
+    loader iteration through them, as in the worker loop, so the next epoch's first batches are read while this
+    one's last steps run (there also during validation and the checkpoint). The split of a step: `data_wait_frac`
     (the loop blocked on the next batch) with `first_fetch_ms` (of it, the wait for each timed epoch's first batch),
     and on CUDA `compute_ms` (GPU time from a step's first kernel to its
     last, CUDA events on the compute stream), `gpu_busy_frac` and, from train_worker.DeviceBatches, `h2d_ms` (GPU time
@@ -172,8 +172,6 @@ def timed_loop(loader, step_fn, device: torch.device, *, warmup_epochs: int = 1,
 
     def start(epoch: int) -> None:
         loader.batch_sampler.set_epoch(epoch)
-        if hasattr(loader, "next_epoch"):  # as the worker loop sets it
-            loader.next_epoch = epoch + 1 if epoch + 1 < num_epochs else None
 
     for epoch in range(warmup_epochs):
         start(epoch)
@@ -255,7 +253,7 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     tc.use_gpu, tc.total_seq_len, tc.draft_vocab_size, tc.ttt_steps, tc.num_draft_layers = (
         use_gpu, total_seq_len, draft_vocab, 3, 1)
     tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
-    tc.compile, cfg.run.seed = compile_mode, SEED
+    tc.compile, cfg.run.seed, tc.epochs = compile_mode, SEED, warmup_epochs + timed_epochs
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
     cfg.verifier.path = capture["verifier_path"]
     device = torch.device("cuda" if use_gpu else "cpu")

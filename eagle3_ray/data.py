@@ -447,6 +447,42 @@ def ring_slot_bytes(total_seq_len: int, hidden_size: int, num_aux: int, dtype: t
     return total_seq_len * per_token + 16 * 64
 
 
+class EpochSampler:
+    """speculators' packing sampler, epoch by epoch, in an iteration that may run on through later epochs: after
+    `run_until(end)` one iteration gives the batches of epochs `epoch` .. end - 1 back to back, so a DataLoader's
+    workers go on to the next epoch's first batches while the consumer takes this one's last ones, and nothing
+    drains at an epoch's end (train_worker.DeviceBatches takes each epoch's share of the one iteration). Without
+    run_until an iteration is the one epoch set by set_epoch, as before. `batches(e)`: epoch e's batches (its
+    sample indices), made once; `len` is the current epoch's count."""
+
+    def __init__(self, inner: MultipackDistributedBatchSamplerV2):
+        self.inner, self.epoch, self.end = inner, 0, None
+        self.lock = threading.Lock()  # the DataLoader iterates in its consumer's thread, the loop asks for counts
+        self._made: dict[int, list] = {}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def run_until(self, end: int | None) -> None:
+        self.end = end
+
+    def batches(self, epoch: int) -> list:
+        with self.lock:
+            if epoch not in self._made:
+                self.inner.set_epoch(epoch)
+                self._made = {e: b for e, b in self._made.items() if epoch - 2 <= e <= epoch + 2}
+                self._made[epoch] = list(self.inner)
+            return self._made[epoch]
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+    def __iter__(self):
+        """Not a generator: the epochs are fixed when the iteration is made."""
+        first = self.epoch
+        return (b for e in range(first, max(first + 1, self.end or 0)) for b in self.batches(e))
+
+
 class _SeqSampler:
     """A batch sampler's batches tagged (worker, number) for the BatchRing: the DataLoader deals an iteration's
     batches to its workers round robin from worker 0, so the i-th goes to worker i % num_workers, which writes it
@@ -491,8 +527,8 @@ class RingLoader:
         return len(self.loader)
 
     def __iter__(self):
-        """Not a generator: the workers get this iteration's first batches when iter() is called (what
-        train_worker.DeviceBatches.prime relies on), not at the first next()."""
+        """Not a generator: the workers get this iteration's first batches when iter() is called, not at the first
+        next()."""
         batches = iter(self.loader)  # persistent workers finish the previous iteration's batches before this returns
         with self._sampler.lock:
             dropped = [tag for tag, it in self._sampler.pending.items() if it < self._sampler.iteration]
@@ -520,15 +556,16 @@ def make_loader(dataset: ShardDataset, *, total_seq_len: int, hidden_size: int, 
                 seed: int, num_workers: int = 1, prefetch_factor: int = 2,
                 reuse_buffers: bool = False) -> DataLoader | RingLoader:
     """Packed batches [1, total_seq_len, ...] for this rank (hidden states in the wire dtype: `decode` them on the
-    device); call `loader.batch_sampler.set_epoch(e)` each epoch.
+    device); call `loader.batch_sampler.set_epoch(e)` each epoch (an EpochSampler: `run_until` lets one iteration
+    run on through later epochs).
 
     speculators' sampler shuffles with seed + epoch and hands every rank the same number of batches, so DDP ranks
     stay in step. Loader worker processes read and pack the next batches (`prefetch_factor` each ahead) while the
     model trains; pinning and the copy to the GPU are train_worker.DeviceBatches' (a thread, not the DataLoader's
     single-threaded pin loop). `reuse_buffers` (with workers): a RingLoader, its batches packed into
     prefetch_factor + 1 reused shared-memory buffers per worker (each batch released by the consumer)."""
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=dataset.approx_lengths,
-                                                 num_replicas=world_size, rank=rank, seed=seed)
+    sampler = EpochSampler(MultipackDistributedBatchSamplerV2(
+        batch_max_length=total_seq_len, lengths=dataset.approx_lengths, num_replicas=world_size, rank=rank, seed=seed))
     ring = None
     if reuse_buffers and num_workers > 0:
         sampler = _SeqSampler(sampler, num_workers)

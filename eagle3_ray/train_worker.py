@@ -95,10 +95,11 @@ def train_dtype(device: torch.device) -> torch.dtype:
 def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int, device: torch.device | None = None):
     """(train batches, val loader) over this rank's share of the samples; hidden states stay on storage until read.
     The train loader is wrapped in DeviceBatches, prepared ahead on `device` (default: this process's current GPU
-    with train.use_gpu, else the CPU); on CUDA its workers pack into reused shared-memory buffers (data.RingLoader),
-    which DeviceBatches releases once it has copied a batch into pinned memory: prefetch_factor + 1 per worker, one
-    batch ahead per worker from 4 workers on (8 workers: 16 buffers, 4.3 GB at 8B / 8192 tokens, no more shared
-    memory than the 16 fresh batches in flight before; a worker packs a batch in far less than 4 steps)."""
+    with train.use_gpu, else the CPU), one loader iteration through train.epochs; on CUDA its workers pack into
+    reused shared-memory buffers (data.RingLoader), which DeviceBatches releases once it has copied a batch into
+    pinned memory: prefetch_factor + 1 per worker, one batch ahead per worker from 4 workers on (8 workers: 16
+    buffers, 4.3 GB at 8B / 8192 tokens, no more shared memory than the 16 fresh batches in flight before; a worker
+    packs a batch in far less than 4 steps)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
     num_aux, hidden = len(args.capture["aux_layer_ids"]), args.capture["hidden_size"]
@@ -114,86 +115,55 @@ def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int, device: t
         loaders.append(data.make_loader(ds, total_seq_len=cfg.train.total_seq_len, hidden_size=hidden,
                                         world_size=world, rank=rank, seed=cfg.run.seed, num_workers=workers,
                                         reuse_buffers=reuse, prefetch_factor=1 if reuse and workers >= 4 else 2))
-    return DeviceBatches(loaders[0], device, dtype), loaders[1]
+    return DeviceBatches(loaders[0], device, dtype, epochs=cfg.train.epochs), loaders[1]
 
 
 class DeviceBatches:
     """The loader's batches with their tensors on `device`, hidden states decoded there to `dtype` (data.decode:
-    fp8 is decoded by the GPU, after the copy). On CUDA a thread prepares the next `depth` batches while the current
-    step runs: it copies each into pinned host memory (the caching host allocator's blocks, reused) with a few CPU
-    threads, starts the host-to-device copy and the decode on a side stream, and hands over an event the compute
-    stream waits on, so neither the loop nor the GPU waits for the copy unless the loader falls behind. Non-tensor
-    entries (`error_records`, `num_tokens`) stay host numbers: reading them never waits for the GPU.
+    fp8 is decoded by the GPU, after the copy), one epoch per iteration (the epoch set on `batch_sampler`).
+    With `epochs` (the run's number of epochs) one loader iteration runs on through them all
+    (data.EpochSampler.run_until): the loader's workers read the next epoch's first batches while this epoch's
+    last steps, validation and the checkpoint run, and each epoch takes its own batches from it; an epoch that
+    stops early, or an epoch other than the next one, starts the loader afresh. On CUDA a thread prepares the next
+    `depth` batches while the current step runs: it copies each into pinned host memory (the caching host
+    allocator's blocks, reused) with a few CPU threads, starts the host-to-device copy and the decode on a side
+    stream, and hands over an event the compute stream waits on, so neither the loop nor the GPU waits for the copy
+    unless the loader falls behind. Non-tensor entries (`error_records`, `num_tokens`) stay host numbers: reading
+    them never waits for the GPU.
     A data.RingLoader's batch is released as soon as it is no longer read: after its pinned copy on CUDA, when the
     consumer asks for the next one on the CPU. `pin_s` / `h2d_events` time the copies (gpu_train_bench.py)."""
 
-    def __init__(self, loader, device: torch.device, dtype: torch.dtype, *, depth: int = 2, pin_threads: int = 4):
+    def __init__(self, loader, device: torch.device, dtype: torch.dtype, *, epochs: int | None = None,
+                 depth: int = 2, pin_threads: int = 4):
         self.loader, self.device, self.dtype, self.depth, self.pin_threads = loader, device, dtype, depth, pin_threads
         self.batch_sampler = loader.batch_sampler
+        self.batch_sampler.run_until(epochs)
         self.pin_s, self.num_copied = 0.0, 0
         self.h2d_events: deque = deque(maxlen=256)  # (start, end) CUDA events of recent copies + decodes
-        self._primed: tuple[int, Any] | None = None  # (epoch, the loader's iterator for it)
-        # set by the loop before an epoch: the epoch to prime the moment this one's last batch is taken from the
-        # loader (on CUDA the copy thread takes it `depth` batches before the loop's last step; None: no next epoch)
-        self.next_epoch: int | None = None
+        self._run: _LoaderRun | None = None  # the loader iteration under way, and the epoch it gives next
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def prime(self, epoch: int) -> None:
-        """Hand the loader's workers `epoch`'s first batches now (persistent workers start reading when the
-        iterator is made), between epochs: so the next epoch's first reads overlap the last steps, validation and
-        the checkpoint instead of opening the epoch with the loop waiting (at total_seq_len 8192 a batch is ~270 MB
-        to read and pack). `next_epoch` does it as early as it can be done: when the loader has given the current
-        epoch's last batch. The next iteration uses the primed batches if the sampler is still at `epoch`; otherwise
-        the loader starts over (a persistent DataLoader drops what was dispatched)."""
-        self.batch_sampler.set_epoch(epoch)
-        self._primed = (epoch, iter(self.loader))
-
-    def _batches(self):
-        """This iteration's loader batches (the primed iterator when it was made for the sampler's epoch); once the
-        loader has given the last one, `next_epoch` is primed (one persistent iterator per loader: not before)."""
-        primed, self._primed = self._primed, None
-        next_epoch, self.next_epoch = self.next_epoch, None
-        if primed is not None and primed[0] == getattr(self.batch_sampler, "epoch", None):
-            yield from primed[1]
-        else:
-            yield from iter(self.loader)
-        if next_epoch is not None:
-            self.prime(next_epoch)
-
     def __iter__(self):
-        if self.device.type != "cuda":
-            for batch in self._batches():
-                try:
-                    host = {k: v for k, v in batch.items() if k != data.RING_KEY}
-                    yield {**host, **to_device(host, self.device, self.dtype)}
-                finally:
-                    self._release(batch)
-            return
-        ready: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(self._batches(), ready, stop), name="eagle3-h2d",
-                                  daemon=True)
-        thread.start()
+        epoch = self.batch_sampler.epoch
+        run = self._run
+        if run is None or not run.epoch == epoch < run.end:
+            if run is not None:
+                run.stop()
+            run = self._run = _LoaderRun(self, epoch)
+        finished = False
         try:
-            while (item := ready.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                batch, copied = item
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(copied)
-                for v in batch.values():
-                    if isinstance(v, torch.Tensor):
-                        v.record_stream(current)  # made on the side stream, freed after the step's use
-                yield batch
+            for _ in range(len(self.batch_sampler.batches(epoch))):
+                yield run.next()
+            finished = True
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    ready.get(timeout=0.05)
-                except queue.Empty:
-                    pass
+            if finished:
+                run.epoch = epoch + 1
+            else:  # stopped early: what the loader holds of this epoch is not the next epoch's
+                run.stop()
+                if self._run is run:
+                    self._run = None
 
     def _produce(self, batches, ready: queue.Queue, stop: threading.Event) -> None:
         torch.set_num_threads(self.pin_threads)  # this thread's copies only (the DataLoader's pin loop uses one)
@@ -231,6 +201,63 @@ class DeviceBatches:
         self.num_copied += 1
         host = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor) and k != data.RING_KEY}
         return {**host, **tensors}, end
+
+
+class _LoaderRun:
+    """One iteration of a DeviceBatches' loader, perhaps through several epochs: `next()` gives its next batch on
+    the device, `epoch` is the epoch it gives next. On CUDA a thread copies `depth` batches ahead
+    (DeviceBatches._produce); on the CPU the batch handed out last is released when the next one is asked for."""
+
+    def __init__(self, owner: DeviceBatches, epoch: int):
+        self.owner, self.epoch, self.cuda = owner, epoch, owner.device.type == "cuda"
+        self.end = max(epoch + 1, owner.batch_sampler.end or 0)  # the epochs it gives: epoch .. end - 1
+        batches = iter(owner.loader)  # the loader's workers start on this epoch's first batches now
+        self.held: dict | None = None
+        if self.cuda:
+            self.ready: queue.Queue = queue.Queue(maxsize=owner.depth)
+            self.stopping = threading.Event()
+            self.thread = threading.Thread(target=owner._produce, args=(batches, self.ready, self.stopping),
+                                           name="eagle3-h2d", daemon=True)
+            self.thread.start()
+        else:
+            self.batches = batches
+
+    def next(self) -> dict:
+        if not self.cuda:
+            self._release_held()
+            self.held = next(self.batches, None)
+            if self.held is None:
+                raise RuntimeError(f"the training loader ended before epoch {self.epoch}'s batches did")
+            host = {k: v for k, v in self.held.items() if k != data.RING_KEY}
+            return {**host, **to_device(host, self.owner.device, self.owner.dtype)}
+        item = self.ready.get()
+        if item is None:
+            raise RuntimeError(f"the training loader ended before epoch {self.epoch}'s batches did")
+        if isinstance(item, BaseException):
+            raise item
+        batch, copied = item
+        current = torch.cuda.current_stream(self.owner.device)
+        current.wait_event(copied)
+        for v in batch.values():
+            if isinstance(v, torch.Tensor):
+                v.record_stream(current)  # made on the side stream, freed after the step's use
+        return batch
+
+    def stop(self) -> None:
+        """Idempotent."""
+        self._release_held()
+        if self.cuda:
+            self.stopping.set()
+            while self.thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    self.ready.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+
+    def _release_held(self) -> None:
+        if self.held is not None:
+            self.owner._release(self.held)
+            self.held = None
 
 
 def collective_device() -> torch.device:
@@ -443,11 +470,6 @@ class Loop:
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
         self.train_loader.batch_sampler.set_epoch(epoch)
-        loader = self.train_loader
-        if isinstance(loader, DeviceBatches) and loader.device.type == "cuda":
-            # the next epoch's first batches load while this one's last steps, validation and the checkpoint run;
-            # on CPU the loader shares the cores the steps use, so reading ahead would only move the reads
-            loader.next_epoch = epoch + 1 if epoch + 1 < self.cfg.train.epochs else None
         window, epoch_sums = MetricSums(), MetricSums()
         t_window = t_fetch = time.perf_counter()
         for i, batch in enumerate(self.train_loader):

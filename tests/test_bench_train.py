@@ -5,8 +5,10 @@ give the plain eager step's loss curve."""
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -197,17 +199,21 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
     kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=2)
     loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), **kwargs)
     ring = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), reuse_buffers=True, **kwargs)
-    batches = train_worker.DeviceBatches(ring, torch.device("cuda"), torch.bfloat16)  # make_loaders' CUDA loader
-    for epoch in range(2):
+    # make_loaders' CUDA loader: one loader iteration through the epochs
+    batches = train_worker.DeviceBatches(ring, torch.device("cuda"), torch.bfloat16, epochs=4)
+    for epoch in range(4):
         loader.batch_sampler.set_epoch(epoch)
         ring.batch_sampler.set_epoch(epoch)
         host = [data.decode(b, torch.bfloat16) for b in loader]
-        for i, (expected, got) in enumerate(zip(host, batches)):
-            for k, v in expected.items():
+        received = 0
+        for i, got in enumerate(batches):
+            received += 1
+            for k, v in host[i].items():
                 if isinstance(v, torch.Tensor):
                     assert got[k].is_cuda and torch.equal(got[k].cpu(), v), k
             if epoch == 0 and i == 2:
-                break  # the producer thread stops; the next epoch starts a new one
+                break  # the producer thread stops; epoch 1 starts the loader afresh, epochs 2 and 3 follow on
+        assert received == (3 if epoch == 0 else len(host))
     torch.cuda.synchronize()
     assert batches.num_copied >= 3 and batches.pin_s > 0
 
@@ -226,15 +232,15 @@ class _ReadLog:
 
     def __getitems__(self, indices):
         with open(self.path, "a") as f:
-            f.write(f"{list(indices)}\n")
+            f.write(json.dumps([int(i) for i in indices]) + "\n")
         return self.dataset.__getitems__(indices)
 
 
-def test_a_primed_epoch_yields_that_epochs_batches_and_a_stale_prime_is_dropped(tmp_path):
-    """DeviceBatches.prime(e): the loader's workers read epoch e's first batches before the loop asks for them;
-    the next iteration yields exactly epoch e's batches, and a prime the loop does not follow is dropped (the loader
-    starts the sampler's epoch afresh). DeviceBatches.next_epoch (what the worker loop sets on GPU) primes when the
-    loader has given the current epoch's last batch, once, and not after an iteration that stopped early."""
+def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_before_it_is_asked_for(tmp_path):
+    """DeviceBatches(epochs=N) over a RingLoader (as on GPU): each epoch yields exactly that epoch's batches out of
+    one loader iteration, whose workers read the next epoch's first batch while the consumer still holds this
+    epoch's last one (nothing drains at an epoch's end), and no batch is read twice; an epoch stopped early, or an
+    epoch other than the next one (a resumed run), starts the loader afresh at that epoch."""
     from eagle3_ray import data, train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
@@ -243,54 +249,44 @@ def test_a_primed_epoch_yields_that_epochs_batches_and_a_stale_prime_is_dropped(
     loader = data.make_loader(data.ShardDataset(refs, 3), **kwargs)
     reads = tmp_path / "reads.txt"
     ring = data.make_loader(_ReadLog(data.ShardDataset(refs, 3), reads), reuse_buffers=True, **kwargs)
-    batches = train_worker.DeviceBatches(ring, torch.device("cpu"), torch.float32)  # a RingLoader, as on GPU
+    batches = train_worker.DeviceBatches(ring, torch.device("cpu"), torch.float32, epochs=6)
 
     def host(epoch: int) -> list[torch.Tensor]:
         loader.batch_sampler.set_epoch(epoch)
         return [b["input_ids"] for b in loader]
 
-    def device(epoch: int) -> list[torch.Tensor]:
-        ring.batch_sampler.set_epoch(epoch)  # what the worker does at an epoch's start
-        return [b["input_ids"].clone() for b in batches]  # the ring's buffers are reused after each batch
+    def read_lines() -> list[list[int]]:
+        return [json.loads(line) for line in reads.read_text().splitlines()] if reads.exists() else []
 
     def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
         return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
-    assert same(device(0), host(0))
-    read_before = reads.read_text().count("\n")
-    batches.prime(1)
-    deadline = time.monotonic() + 60
-    while reads.read_text().count("\n") == read_before:  # epoch 1's first batches are read before anyone asks
-        assert time.monotonic() < deadline, "prime(1) started no reads"
-        time.sleep(0.01)
-    assert same(device(1), host(1))
-    assert reads.read_text().count("\n") - read_before == len(host(1))  # the primed reads were used, none redone
-    batches.prime(3)  # a prime the loop does not follow: dropped, epoch 2 read afresh
-    assert same(device(2), host(2))
-    assert not same(host(1), host(2))  # the epochs differ, so a wrong epoch would fail above
-    assert same(device(3), host(3))  # and the loader goes on as before
-
-    # next_epoch, set by the loop before an epoch: primed the moment the loader has given that epoch's last batch
-    def reads_since(before: int) -> int:
-        return reads.read_text().count("\n") - before
-
-    ring.batch_sampler.set_epoch(4)
-    batches.next_epoch = 5
+    assert not same(host(0), host(1))  # the epochs differ, so a wrong epoch fails below
+    ring.batch_sampler.set_epoch(0)  # what the loop does at an epoch's start
     it = iter(batches)
-    got = [next(it)["input_ids"].clone() for _ in range(len(host(4)))]
-    read_before = reads.read_text().count("\n")
-    assert next(it, None) is None and same(got, host(4))
+    got = [next(it)["input_ids"].clone() for _ in range(len(host(0)))]  # clone: the ring's buffers are reused
+    assert same(got, host(0))
+    first_of_next = [int(i) for i in ring.batch_sampler.batches(1)[0]]
     deadline = time.monotonic() + 60
-    while reads_since(read_before) == 0:
-        assert time.monotonic() < deadline, "next_epoch=5 started no reads when epoch 4 ended"
+    while first_of_next not in read_lines():  # epoch 0's last batch still held: nobody asked for epoch 1 yet
+        assert time.monotonic() < deadline, "epoch 1's first batch was not read ahead"
         time.sleep(0.01)
-    assert batches.next_epoch is None  # one epoch's setting
-    assert same(device(5), host(5)) and reads_since(read_before) == len(host(5))  # the primed reads, none redone
-    batches.next_epoch = 7
-    for _ in zip(range(2), batches):  # a loop that stops early: no prime, the next epoch reads afresh
+    assert next(it, None) is None  # epoch 0 ends with its own batches
+    for epoch in (1, 2):
+        ring.batch_sampler.set_epoch(epoch)
+        assert same([b["input_ids"].clone() for b in batches], host(epoch))
+    expected = Counter(tuple(int(i) for i in b) for e in range(3) for b in ring.batch_sampler.batches(e))
+    logged = Counter(tuple(r) for r in read_lines())
+    assert not expected - logged  # every batch of epochs 0-2 was read
+    assert logged.total() - expected.total() <= 2 * 2  # once: beyond them only epoch 3's read-ahead (2 x prefetch 2)
+
+    ring.batch_sampler.set_epoch(3)
+    for _ in zip(range(2), batches):  # an epoch stopped early: epoch 4 starts the loader afresh
         pass
-    assert ring.batch_sampler.epoch == 5  # a prime would have moved the sampler to 7
-    assert same(device(6), host(6))
+    ring.batch_sampler.set_epoch(4)
+    assert same([b["input_ids"].clone() for b in batches], host(4))
+    ring.batch_sampler.set_epoch(2)  # not the next epoch (a resumed run): afresh at epoch 2
+    assert same([b["input_ids"].clone() for b in batches], host(2))
 
 
 def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):

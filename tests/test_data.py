@@ -50,7 +50,7 @@ def test_packed_batches_are_shifted_by_one_as_eagle3_requires(gen_dir):
     ds = data.ShardDataset(refs, num_aux=3)
     loader = data.make_loader(ds, total_seq_len=256, hidden_size=256, world_size=1, rank=0, seed=0, num_workers=0)
     batch = next(iter(loader))
-    first = loader.batch_sampler._generate_batches(0)[0][0]  # the first packed sample of the first batch
+    first = loader.batch_sampler.batches(0)[0][0]  # the first packed sample of the first batch
     raw, n = ds[first], refs[first].num_tokens - 1
     assert batch["input_ids"][0, :n].tolist() == raw["input_ids"][1:].tolist()          # x1 ...
     assert torch.equal(batch["hidden_states"][0, :n], raw["hidden_states"][:-1])        # g0 ...
@@ -185,7 +185,7 @@ def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_
         loader = data.make_loader(ds, total_seq_len=total, hidden_size=256, world_size=1, rank=0, seed=0,
                                   num_workers=num_workers, prefetch_factor=3, reuse_buffers=reuse)
         before = CollateFn(total, 256, num_target_layers=3, dtype=dtype, preprocess=shift_batch)  # the old path
-        groups = loader.batch_sampler._generate_batches(0)
+        groups = loader.batch_sampler.batches(0)
         batches = _received(loader)
         assert len(batches) == len(groups) >= 3
         assert any(len(g) > 1 for g in groups) if total > longest else any(len(g) == 1 for g in groups)
