@@ -113,6 +113,12 @@ class CaptureWriter:
         self.jobs.put((JOB_PRIORITY[kind], next(self.order), kind, job))
 
     def _run(self) -> None:
+        # One op thread per writer: the writers are the actor's parallelism. Ray gives the actor OMP_NUM_THREADS =
+        # its CPUs (8 on GPU), and a team that size behind every writer's norms would put 8 x 8 threads on cores
+        # that vLLM's own processes (scheduler, the connector's file writes) need. (It sets this thread's OpenMP
+        # team and the size later threads start with; the actor runs no other heavy torch work: vLLM's engine is a
+        # process of its own, started before the writers.)
+        torch.set_num_threads(1)
         while True:
             _, _, kind, job = self.jobs.get()
             if kind == "discard":

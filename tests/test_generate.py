@@ -3,6 +3,7 @@ killed engines and killed jobs still give every sample exactly once, and a broke
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -311,6 +312,22 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
                      [1, 3, 6], "x")
     totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
+
+
+def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
+    """capture_stats walks a sample a few token rows at a time (NORM_CHUNK_VALUES): its numbers are those of one fp32
+    norm over the whole sample, with zero rows, NaN and inf placed across chunk boundaries."""
+    hs = (torch.randn(100, 4, 4096) * 3).to(torch.bfloat16)  # 8B-shaped rows: 16 token rows a chunk, 7 chunks
+    hs[15:18, 2] = 0  # zero rows across the first chunk boundary
+    hs[31, 0, 7], hs[32, 3, 1], hs[99, 1, 0] = float("nan"), float("inf"), float("-inf")
+    norms = torch.linalg.vector_norm(hs, dim=-1, dtype=torch.float32)  # shape: [T, L]
+    finite = torch.isfinite(norms)
+    stats = shards.capture_stats(hs)
+    assert math.prod(hs.shape[1:]) * 2 <= shards.NORM_CHUNK_VALUES < hs.numel()  # several rows a chunk, many chunks
+    assert stats["zero_rows"] == [0, 0, 3, 0] and stats["nonfinite"] == [1, 1, 0, 1]
+    assert stats["norm_sum"] == torch.where(finite, norms, 0.0).double().sum(dim=0).tolist()
+    assert stats["norm_min"] == torch.where(finite, norms, torch.inf).amin(dim=0).tolist()
+    assert stats["norm_max"] == torch.where(finite, norms, -torch.inf).amax(dim=0).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
