@@ -64,7 +64,7 @@ def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: li
                                 f"shard {shard}) {problem}")
 
 
-JOB_PRIORITY = {"commit": 0, "prepare": 1, "discard": 1}
+JOB_PRIORITY = {"commit": 0, "complete": 1, "prepare": 1, "discard": 1}
 
 
 class CaptureWriter:
@@ -75,6 +75,8 @@ class CaptureWriter:
         commit(...)     the unit's remaining prepares (done here if no thread has taken them yet), then the sink's
                         write; units commit side by side on different threads. Returns a future on the caller's loop
         discard(paths)  delete an earlier turn's capture once vLLM has finished writing it
+        complete(convs) a prefill unit's records (capture_only's loss masks: template passes), queued when its
+                        requests go out, so they are done while the engine runs, not in the tail after it
 
     The queue is not bounded by a job count: what it holds is bounded in bytes by the actor's ByteBudget (a unit's
     capture bytes are acquired before its first request and released after its commit)."""
@@ -102,6 +104,9 @@ class CaptureWriter:
         if conv.capture_path and conv.record["status"] == "ok":
             self._put("prepare", conv)
 
+    def complete(self, convs: list) -> None:
+        self._put("complete", convs)
+
     def commit(self, unit_id: str, convs: list, sink: Any) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         self._put("commit", (unit_id, convs, sink, future))
@@ -126,6 +131,13 @@ class CaptureWriter:
                     chat.discard_capture(path)
             elif kind == "prepare":
                 self._prepare(job)
+            elif kind == "complete":
+                for conv in job:
+                    with conv.prepare_lock:
+                        try:
+                            conv.complete_record()
+                        except Exception:  # noqa: BLE001 (raised again by its prepare, which fails the unit)
+                            pass
             else:
                 self._commit(*job)
 

@@ -279,6 +279,8 @@ class EngineActor:
         if not convs:
             future.set_result([])
         self.requests.submit(first)
+        if self.kind == "prefill":
+            self.writer.complete(convs)  # capture_only's loss masks while the engine runs
         return future
 
 

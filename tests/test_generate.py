@@ -457,9 +457,9 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly
 
 def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_the_loss_mask(tmp_path, tiny_llama):
     """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
-    exactly those ids without templating anything, and the record's loss mask, filled in later by the writer thread,
-    is the assistant spans' mask with counts that add up."""
-    from eagle3_ray import chat, generate
+    exactly those ids without templating anything, and the record's loss mask, filled in by a writer thread while the
+    requests run, is the assistant spans' mask with counts that add up."""
+    from eagle3_ray import chat, commit, generate
 
     cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only")
     encoder = generate.chat_encoder(tiny_llama, cfg)
@@ -483,7 +483,11 @@ def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_th
     _, prompt, params = conv.start()
     assert prompt["prompt_token_ids"] == ids and params.max_tokens == 1 and Counting.calls == 0
     assert conv.record["loss_mask"] is None  # not on the engine's path
-    conv.complete_record()
+    commit.CaptureWriter("bfloat16", num_threads=1).complete([conv])  # what the actor queues as the requests go out
+    deadline = time.monotonic() + 30
+    while "num_prompt_tokens" not in conv.record:  # done by the writer thread, before any capture is ready
+        assert time.monotonic() < deadline, "the writer did not complete the record"
+        time.sleep(0.01)
     mask, r = conv.record["loss_mask"], conv.record
     assert mask == chat.loss_mask(encoder.assistant_spans(messages), len(ids)) and 0 < sum(mask) < len(ids)
     assert r["num_response_tokens"] == sum(mask) and r["num_prompt_tokens"] + sum(mask) == len(ids)
