@@ -2,8 +2,8 @@
 soon as it finishes (stats, bf16/fp8 encoding), and when its unit is done hand the unit to its sink, while the engine
 goes on with other requests.
 
-    engine loop (conversation done) --CaptureWriter.prepare--> writer thread: (capture_only: loss mask) -> read scratch
-                                                               file -> stats -> encode
+    engine actor (unit's requests out) --CaptureWriter.complete--> writer thread: capture_only's loss masks
+    engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
     engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
     prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
     fixes their shards up front, and each sample goes into its shard file as soon as it is prepared
@@ -149,7 +149,7 @@ class CaptureWriter:
                 return
             r = conv.record
             try:
-                conv.complete_record()  # capture_only's loss mask, here rather than on the engine's path
+                conv.complete_record()  # a no-op once the unit's complete job has run (it usually has)
                 start = time.monotonic()
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
@@ -186,15 +186,15 @@ class CaptureWriter:
         ShardPlan wrote already)."""
         records, encoded, stats = [c.record for c in convs], {}, {}
         for c in convs:
-            if not (c.record["status"] == "ok" and c.capture_path):
+            if c.record["status"] != "ok" or not c.capture_path:
                 c.complete_record()  # (a capture's record is completed by its prepare)
-            else:
-                self._prepare(c)
-                if isinstance(c.prepared, BaseException):
-                    raise c.prepared
-                if c.shard is None:  # a planned sample's shard is written; its plan lets go of the tensors
-                    stats[c.record["id"]], encoded[c.record["id"]] = c.prepared
-                    c.prepared = ()  # the sink holds the tensors now; the conversation lets go of them
+                continue
+            self._prepare(c)
+            if isinstance(c.prepared, BaseException):
+                raise c.prepared
+            if c.shard is None:  # a planned sample's shard is written; its plan lets go of the tensors
+                stats[c.record["id"]], encoded[c.record["id"]] = c.prepared
+                c.prepared = ()  # the sink holds the tensors now; the conversation lets go of them
         return records, encoded, stats
 
 
