@@ -273,17 +273,26 @@ def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(
 
 
 def _kill_session(sid: int) -> None:
-    """SIGKILL the job we started and everything in its session (its local Ray and engines)."""
-    procs = [p for p in psutil.process_iter() if _sid(p.pid) == sid]
-    for p in procs:
-        p.kill()
-    psutil.wait_procs(procs, timeout=30)
+    """SIGKILL the job we started and everything in its session (its local Ray and engines), again until none is
+    left: a process may end on its own between the listing and the kill, or be started by one not yet killed."""
+    deadline = time.monotonic() + 60
+    while procs := [p for p in psutil.process_iter() if _sid(p) == sid]:
+        assert time.monotonic() < deadline, f"processes of session {sid} still alive after SIGKILL: {procs}"
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(procs, timeout=5)
 
 
-def _sid(pid: int) -> int | None:
+def _sid(proc: psutil.Process) -> int | None:
+    """The session of a live process; None once it ended (a zombie has ended: only its parent's wait is left)."""
     try:
-        return os.getsid(pid)
-    except OSError:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return os.getsid(proc.pid)
+    except (OSError, psutil.NoSuchProcess):
         return None
 
 
