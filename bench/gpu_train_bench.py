@@ -239,12 +239,13 @@ def compute_floor(model, total_seq_len: int, ttt_steps: int, peak_flops: float) 
 
 def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, use_gpu: bool,
               num_train_samples: int, warmup_epochs: int = 1, timed_epochs: int = 1, attn_impl: str = "auto",
-              num_loader_workers: int | None = None, peak_flops: float = 0.0, compile_mode: str = "auto") -> dict:
-    """The train worker's own pieces, one process, no Ray Train: train_worker.build_model, make_optimizer,
+              num_loader_workers: int | None = None, peak_flops: float = 0.0, compile_mode: str = "auto",
+              optimizer: str = "adamw") -> dict:
+    """The train worker's own pieces, one process, no Ray Train: train_worker.build_model, make_optimizers,
     make_loaders over the first `num_train_samples` samples (data.load_refs; speculators' train split) and
     TrainStep, the worker's step, timed by timed_loop. `compile_mode` is train.compile; dynamo's caches are cleared
     first, so a compiled run compiles for its own total_seq_len (after another length dynamo would recompile with
-    dynamic shapes), in the first warm-up step."""
+    dynamic shapes), in the first warm-up step. `optimizer` is train.optimizer."""
     from eagle3_ray import data, train_worker
     from eagle3_ray.config import Config
 
@@ -253,7 +254,7 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     tc.use_gpu, tc.total_seq_len, tc.draft_vocab_size, tc.ttt_steps, tc.num_draft_layers = (
         use_gpu, total_seq_len, draft_vocab, 3, 1)
     tc.attn_impl, tc.loss_implementation, tc.num_loader_workers = attn_impl, "eager", num_loader_workers
-    tc.compile, cfg.run.seed, tc.epochs = compile_mode, SEED, warmup_epochs + timed_epochs
+    tc.compile, cfg.run.seed, tc.epochs, tc.optimizer = compile_mode, SEED, warmup_epochs + timed_epochs, optimizer
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
     cfg.verifier.path = capture["verifier_path"]
     device = torch.device("cuda" if use_gpu else "cpu")
@@ -261,12 +262,12 @@ def time_ours(gen_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: 
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = train_worker.make_optimizer(params, tc.lr, device)
+    optimizers = train_worker.make_optimizers(model, tc, device)
     refs, _manifest = data.load_refs(gen_dir)
     args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[],
                                    train_refs=refs[:num_train_samples])
     train_loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1, device=device)
-    step = train_worker.TrainStep(model, params, optimizer, None, train_worker.loss_kwargs(cfg), device,
+    step = train_worker.TrainStep(model, params, optimizers, [], train_worker.loss_kwargs(cfg), device,
                                   autocast=use_gpu, max_grad_norm=tc.max_grad_norm)
     result = timed_loop(train_loader, step, device, warmup_epochs=warmup_epochs, timed_epochs=timed_epochs)
     result["loader_workers"] = train_loader.loader.num_workers
@@ -290,11 +291,11 @@ def epoch_seconds(stamped_log: str) -> dict[int, float]:
 
 def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], lengths: list[int], *, total_seq_len: int,
                          draft_vocab: int, warmup_epochs: int, timed_epochs: int, work: str,
-                         num_loader_workers: int) -> dict:
+                         num_loader_workers: int, optimizer: str | None = None) -> dict:
     """speculators' Trainer through its CLI over warmup_epochs + timed_epochs epochs; the timed ones from its epoch
     log lines. `log_freq` beyond the run's steps: only global step 0 (warm-up) is profiled, since its profiled
     steps synchronize the GPU at every phase. Tokens and steps of the timed epochs: epoch_plan over `lengths` (its
-    train split's seq_len, the same sampler and seed)."""
+    train split's seq_len, the same sampler and seed). `optimizer` None: its own default (Muon)."""
     save_path = os.path.join(work, f"spec_ckpt_{total_seq_len}")
     num_epochs = warmup_epochs + timed_epochs
     cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", verifier, "--data-path", spec_dir,
@@ -305,6 +306,8 @@ def time_speculators_cli(verifier: str, spec_dir: str, aux: list[int], lengths: 
            "--loss-implementation", "eager", "--epochs", str(num_epochs), "--log-freq", "1000000",
            "--train-data-ratio", str(TRAIN_DATA_RATIO), "--seed", str(SEED),
            "--num-workers", str(num_loader_workers), "--save-path", save_path]
+    if optimizer is not None:
+        cmd += ["--optimizer", optimizer]
     log_path = os.path.join(work, f"speculators_{total_seq_len}.log")
     # its rich console handler wraps at the terminal width; wide lines keep each log line on one line
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}
@@ -395,6 +398,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny shapes, our side on CPU, speculators' CLI skipped")
     p.add_argument("--compile", choices=["off", "on", "both"], default="both",
                    help="our side with train.compile on, off (eager), or both next to the same speculators run")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default=None,
+                   help="both sides' optimizer; default: ours AdamW, speculators' its own default (Muon)")
     args = p.parse_args()
     use_gpu = torch.cuda.is_available() and not args.tiny
     shape, aux = (TINY, AUX_TINY) if args.tiny else (LLAMA31_8B, AUX_8B)
@@ -411,6 +416,7 @@ def main() -> None:
     lengths = [r["num_tokens"] for r in storage.read_parquet(os.path.join(gen_dir, "manifest.parquet"),
                                                              ["num_tokens"]).to_pylist()][:num_train]
     epochs = {"warmup_epochs": args.warmup_epochs, "timed_epochs": args.timed_epochs}
+    our_optimizer = args.optimizer or "adamw"
     rows = []
 
     def write_results() -> None:
@@ -423,13 +429,13 @@ def main() -> None:
         try:
             ours = time_ours(gen_dir, vocab_dir, total_seq_len=seq_len, draft_vocab=draft_vocab, use_gpu=use_gpu,
                              num_train_samples=num_train, **epochs, num_loader_workers=args.loader_workers,
-                             peak_flops=args.peak_tflops * 1e12, compile_mode=mode)
+                             peak_flops=args.peak_tflops * 1e12, compile_mode=mode, optimizer=our_optimizer)
         except RuntimeError as e:  # a compile error, or out of memory: eager flex attention materializes the scores
             print(f"{impl} at total_seq_len={seq_len} failed: {e}", flush=True)
             if use_gpu:
                 torch.cuda.empty_cache()
             return {"total_seq_len": seq_len, "impl": impl, "compile": mode, "error": str(e)[-2000:]}
-        return {"total_seq_len": seq_len, "impl": impl, "compile": mode, **ours}
+        return {"total_seq_len": seq_len, "impl": impl, "compile": mode, "optimizer": our_optimizer, **ours}
 
     # compiled, then speculators, then eager: a slow or failed eager row cannot cost the other two
     for seq_len in seq_lens:
@@ -444,8 +450,9 @@ def main() -> None:
             try:
                 spec = time_speculators_cli(verifier, spec_dir, aux, lengths, total_seq_len=seq_len,
                                             draft_vocab=draft_vocab, **epochs, work=args.work,
-                                            num_loader_workers=args.loader_workers)
-                rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", **spec})
+                                            num_loader_workers=args.loader_workers, optimizer=args.optimizer)
+                rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer",
+                             "optimizer": args.optimizer or "muon", **spec})
             except RuntimeError as e:  # keep our numbers; the log file named in the error has the details
                 print(f"speculators' Trainer at total_seq_len={seq_len} failed: {e}", flush=True)
                 rows.append({"total_seq_len": seq_len, "impl": "speculators Trainer", "error": str(e)[-2000:]})

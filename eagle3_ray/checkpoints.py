@@ -3,8 +3,9 @@
 A checkpoint directory (docs/stages.md, train):
     config.json          speculators Eagle3 config (verifier path and aux layer ids recorded)
     model.safetensors    trainable weights + d2t/t2d; no embed_tokens, verifier_lm_head, verifier_norm
-    optimizer.pt         AdamW state (torch.save of tensors and numbers: loads with weights_only=True)
-    scheduler.pt         LR scheduler state
+    optimizer.pt         each optimizer's class name and state, in train.optimizer's order (AdamW; or Muon, AdamW):
+                         torch.save of tensors, numbers and strings, so it loads with weights_only=True
+    scheduler.pt         the LR schedule of each optimizer, in the same order
     train_state.json     epoch, global step, RNG states, metrics
     capture.json         the generate stage's capture contract
 
@@ -53,11 +54,13 @@ def set_rng_state(encoded: dict[str, str]) -> None:
     torch.set_rng_state(states["torch"])
 
 
-def save(directory: str, model, optimizer, scheduler, train_state: dict[str, Any], capture: dict[str, Any]) -> None:
+def save(directory: str, model, optimizers: list, schedulers: list, train_state: dict[str, Any],
+         capture: dict[str, Any]) -> None:
     """Write a complete checkpoint into `directory` (a fresh local temp dir that Ray then persists)."""
     model.save_pretrained(directory, state_dict=trainable_state_dict(model), safe_serialization=True)
-    torch.save(optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
-    torch.save(scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
+    torch.save([{"class": type(opt).__name__, "state": opt.state_dict()} for opt in optimizers],
+               os.path.join(directory, "optimizer.pt"))
+    torch.save([scheduler.state_dict() for scheduler in schedulers], os.path.join(directory, "scheduler.pt"))
     with open(os.path.join(directory, "capture.json"), "w") as f:
         json.dump(capture, f, indent=2)
     # train_state.json last: a reader that finds it knows the rest is there
@@ -65,14 +68,22 @@ def save(directory: str, model, optimizer, scheduler, train_state: dict[str, Any
         json.dump({**train_state, "rng": rng_state()}, f, indent=2)
 
 
-def restore(directory: str, model, optimizer, scheduler) -> dict[str, Any]:
-    """Load trainable weights, optimizer, scheduler and RNG from a checkpoint; returns its train_state."""
+def restore(directory: str, model, optimizers: list, schedulers: list) -> dict[str, Any]:
+    """Load trainable weights, each optimizer and schedule, and RNG from a checkpoint; returns its train_state."""
     state = load_file(os.path.join(directory, "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) - set(FROZEN_KEYS):
         raise ValueError(f"checkpoint {directory} does not match the model: missing={missing} unexpected={unexpected}")
-    optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True))
-    scheduler.load_state_dict(torch.load(os.path.join(directory, "scheduler.pt"), weights_only=True))
+    saved = torch.load(os.path.join(directory, "optimizer.pt"), weights_only=True)
+    saved_classes, classes = [s["class"] for s in saved], [type(opt).__name__ for opt in optimizers]
+    if saved_classes != classes:
+        raise ValueError(f"checkpoint {directory} holds the state of optimizers {saved_classes}, this run builds "
+                         f"{classes} (train.optimizer)")
+    for opt, opt_state in zip(optimizers, saved):
+        opt.load_state_dict(opt_state["state"])
+    for scheduler, scheduler_state in zip(schedulers, torch.load(os.path.join(directory, "scheduler.pt"),
+                                                                 weights_only=True), strict=True):
+        scheduler.load_state_dict(scheduler_state)
     with open(os.path.join(directory, "train_state.json")) as f:
         train_state = json.load(f)
     set_rng_state(train_state["rng"])

@@ -207,7 +207,23 @@ class TrainConfig:
     epochs: int = 3
     """Passes over the training split; one checkpoint per epoch."""
     lr: float = 3e-4
-    """Peak learning rate (AdamW, linear warmup then cosine decay)."""
+    """Peak learning rate of AdamW (linear warmup then cosine decay, one schedule per optimizer)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW over every trainable parameter. `muon`: speculators' split (its Trainer's default): torch's
+    Muon over the drafter's 2D weight matrices, AdamW over the rest (norms, biases, the draft lm_head)."""
+    weight_decay: float = 0.01
+    """AdamW's weight decay (of the AdamW group with `muon`)."""
+    muon_lr: float | None = None
+    """Peak learning rate of the Muon group; None: `lr` (as speculators: with `match_rms_adamw` its updates have
+    AdamW's RMS, so AdamW's rate carries over)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum."""
+    muon_weight_decay: float = 0.1
+    """Muon's weight decay."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of each Muon update."""
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """How Muon scales its rate by a matrix's shape (torch.optim.Muon's adjust_lr_fn)."""
     warmup_steps: int = 10
     """Linear warmup steps."""
     max_grad_norm: float = 0.5
@@ -273,6 +289,14 @@ class TrainConfig:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
         _check(self.epochs >= 1, "train.epochs", "must be >= 1")
         _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.optimizer in ("adamw", "muon"), "train.optimizer", f"must be adamw or muon, got {self.optimizer!r}")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.muon_lr is None or self.muon_lr > 0, "train.muon_lr", "must be > 0 or null")
+        _check(0 <= self.muon_momentum < 1, "train.muon_momentum", "must be in [0, 1)")
+        _check(self.muon_weight_decay >= 0, "train.muon_weight_decay", "must be >= 0")
+        _check(self.muon_ns_steps >= 1, "train.muon_ns_steps", "must be >= 1")
+        _check(self.muon_adjust_lr_fn in ("original", "match_rms_adamw"), "train.muon_adjust_lr_fn",
+               f"must be original or match_rms_adamw, got {self.muon_adjust_lr_fn!r}")
         _check(self.total_seq_len > 0, "train.total_seq_len", "must be > 0")
         _check(self.ttt_steps >= 1, "train.ttt_steps", "must be >= 1")
         _check(self.draft_vocab_size > 0, "train.draft_vocab_size", "must be > 0")

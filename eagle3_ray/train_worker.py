@@ -28,6 +28,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.cli import create_transformer_layer_config
+from speculators.train.optimizers import split_named_params_for_muon
 from speculators.train.utils import normalize_counted_metrics
 
 from eagle3_ray import acceptance, checkpoints, data, storage, vocab
@@ -307,21 +308,45 @@ def metric_tensors(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v.detach() for k, v in metric_dict.items() if k.startswith(keep)}
 
 
-def make_optimizer(params: list[torch.nn.Parameter], lr: float, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, fused into one kernel per step on CUDA (foreach on CPU)."""
-    if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    return torch.optim.AdamW(params, lr=lr, foreach=True)
+def make_optimizers(model: torch.nn.Module, tc, device: torch.device) -> list[torch.optim.Optimizer]:
+    """The optimizers of `train.optimizer`, stepped together: `adamw`, one AdamW over every trainable parameter;
+    `muon`, speculators' partition (split_named_params_for_muon, as its Trainer builds it): torch's Muon over the 2D
+    weight matrices, then AdamW over the rest. AdamW runs fused into one kernel per step on CUDA, foreach on CPU."""
+    adamw_kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if tc.optimizer == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, **adamw_kernel)]
+    muon_params, adamw_params = split_named_params_for_muon(model)
+    optimizers: list[torch.optim.Optimizer] = []
+    if muon_params:
+        optimizers.append(torch.optim.Muon(
+            [p for _name, p in muon_params], lr=tc.lr if tc.muon_lr is None else tc.muon_lr,
+            momentum=tc.muon_momentum, weight_decay=tc.muon_weight_decay, ns_steps=tc.muon_ns_steps,
+            adjust_lr_fn=tc.muon_adjust_lr_fn))
+    if adamw_params:
+        optimizers.append(torch.optim.AdamW([p for _name, p in adamw_params], lr=tc.lr,
+                                            weight_decay=tc.weight_decay, **adamw_kernel))
+    return optimizers
+
+
+def make_schedulers(optimizers: list[torch.optim.Optimizer], warmup_steps: int, total_steps: int) -> list:
+    """One linear-warmup + cosine schedule per optimizer, each scaling its own peak rate."""
+    return [get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps) for opt in optimizers]
+
+
+def current_lrs(optimizers: list[torch.optim.Optimizer]) -> dict[str, float]:
+    """The scheduled rates of the next step: `lr` (AdamW's) and, with train.optimizer muon, `muon_lr`."""
+    return {"muon_lr" if isinstance(opt, torch.optim.Muon) else "lr": opt.param_groups[0]["lr"] for opt in optimizers}
 
 
 class TrainStep:
-    """Forward, backward, clip, optimizer and scheduler step on one packed batch: the worker loop's step, and the
+    """Forward, backward, clip, optimizer and scheduler steps on one packed batch: the worker loop's step, and the
     step bench/gpu_train_bench.py times. Returns the step's metric tensors left on the device: nothing in a step
     waits for the GPU, so the next batch's host-to-device copy and the loader overlap it."""
 
-    def __init__(self, model, params: list[torch.nn.Parameter], optimizer, scheduler, loss_kwargs: dict,
-                 device: torch.device, *, autocast: bool, max_grad_norm: float):
-        self.model, self.params, self.optimizer, self.scheduler = model, params, optimizer, scheduler
+    def __init__(self, model, params: list[torch.nn.Parameter], optimizers: list[torch.optim.Optimizer],
+                 schedulers: list, loss_kwargs: dict, device: torch.device, *, autocast: bool, max_grad_norm: float):
+        self.model, self.params, self.optimizers, self.schedulers = model, params, optimizers, schedulers
         self.loss_kwargs, self.device, self.max_grad_norm = loss_kwargs, device, max_grad_norm
         self.autocast = autocast
 
@@ -329,12 +354,14 @@ class TrainStep:
         tensors = to_device(batch, self.device)  # a no-op on DeviceBatches' batches
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             _draft, loss, step_metrics = self.model(**tensors, **self.loss_kwargs)
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for opt in self.optimizers:
+            opt.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
         return metric_tensors(step_metrics)
 
 
@@ -429,17 +456,16 @@ class Loop:
         self.raw = build_model(self.cfg, args.capture, storage.join(self.out_dir, "vocab"), self.device)
         self.model = ray.train.torch.prepare_model(self.raw)
         params = [p for p in self.raw.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, tc.lr, self.device)
+        self.optimizers = make_optimizers(self.raw, tc, self.device)
         steps_per_epoch = args.steps_per_epoch
         if steps_per_epoch is None:
             self.train_loader, self.val_loader = make_loaders(self.cfg, args, self.rank, self.world, self.device)
             steps_per_epoch = len(self.train_loader)
         self.steps_per_epoch = steps_per_epoch
-        self.scheduler = get_cosine_schedule_with_warmup(self.optimizer, tc.warmup_steps,
-                                                         tc.epochs * self.steps_per_epoch)
+        self.schedulers = make_schedulers(self.optimizers, tc.warmup_steps, tc.epochs * self.steps_per_epoch)
         self.kwargs = loss_kwargs(self.cfg)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=tc.use_gpu)
-        self.train_step = TrainStep(self.model, params, self.optimizer, self.scheduler, self.kwargs, self.device,
+        self.train_step = TrainStep(self.model, params, self.optimizers, self.schedulers, self.kwargs, self.device,
                                     autocast=tc.use_gpu, max_grad_norm=tc.max_grad_norm)
         self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
         self.start_epoch, self.step, self.best = 0, 0, None
@@ -450,7 +476,7 @@ class Loop:
         if ckpt is None:
             return
         with ckpt.as_directory() as d:
-            state = checkpoints.restore(d, self.raw, self.optimizer, self.scheduler)
+            state = checkpoints.restore(d, self.raw, self.optimizers, self.schedulers)
         self.start_epoch, self.step, self.best = state["epoch"] + 1, state["step"], state["best"]
         if self.rank == 0:
             log("train", "resumed", from_epoch=state["epoch"], next_epoch=self.start_epoch, step=self.step)
@@ -475,14 +501,14 @@ class Loop:
         for i, batch in enumerate(self.train_loader):
             wait_s = time.perf_counter() - t_fetch
             _maybe_kill(self.cfg, self.out_dir, epoch, i, self.rank, self.world)
-            lr = self.optimizer.param_groups[0]["lr"]
+            lrs = current_lrs(self.optimizers)
             step_metrics = self.train_step(batch)
             self.step += 1
             for sums in (window, epoch_sums):
                 sums.add(step_metrics, tokens=batch_tokens(batch), wait_s=wait_s,
                          bad_samples=float(batch["error_records"]))
             if self.step % self.cfg.train.log_every_steps == 0:
-                self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lr)
+                self._log_window(window.reduce(), time.perf_counter() - t_window, epoch, lrs)
                 window, t_window = MetricSums(), time.perf_counter()
             t_fetch = time.perf_counter()
         return epoch_sums.reduce()
@@ -490,8 +516,8 @@ class Loop:
     def run_epoch(self, epoch: int) -> tuple[dict[str, float], dict[str, float]]:
         return self.train_epoch(epoch), self.validate()
 
-    def _log_window(self, sums: dict[str, float], elapsed_s: float, epoch: int, lr: float) -> None:
-        record = {"epoch": epoch, **summarize(sums, self.cfg.train.ttt_steps, "train_"), "lr": lr,
+    def _log_window(self, sums: dict[str, float], elapsed_s: float, epoch: int, lrs: dict[str, float]) -> None:
+        record = {"epoch": epoch, **summarize(sums, self.cfg.train.ttt_steps, "train_"), **lrs,
                   "tokens_per_s": sums["tokens"] / elapsed_s,
                   "data_wait_frac": sums["wait_s"] / (elapsed_s * self.world)}
         self.sinks.emit("train", self.step, record)
@@ -526,7 +552,7 @@ class Loop:
         with tempfile.TemporaryDirectory(prefix="eagle3-ckpt-") as tmp:
             checkpoint = None
             if self.rank == 0:
-                checkpoints.save(tmp, self.raw, self.optimizer, self.scheduler, state, self.args.capture)
+                checkpoints.save(tmp, self.raw, self.optimizers, self.schedulers, state, self.args.capture)
                 checkpoint = Checkpoint.from_directory(tmp)
             ray.train.report(record, checkpoint=checkpoint, checkpoint_dir_name=f"epoch_{epoch:04d}")
         # report() returns once the files are uploaded, but the controller registers the checkpoint later; a worker

@@ -106,7 +106,7 @@ def write_checkpoint(model, opt, sched, run_dir: Path, capture: dict, *, epoch: 
     ckpt = train_dir / f"epoch_{epoch}"
     ckpt.mkdir(parents=True, exist_ok=True)
     metrics = {"val_acc_0": 0.1 * (epoch + 1)}
-    checkpoints.save(str(ckpt), model, opt, sched, {"epoch": epoch, "step": steps, "metrics": metrics}, capture)
+    checkpoints.save(str(ckpt), model, [opt], [sched], {"epoch": epoch, "step": steps, "metrics": metrics}, capture)
     if best:
         checkpoints.copy_best(str(ckpt), str(train_dir / "best"))
     record = checkpoints.latest_record(str(train_dir), str(train_dir / "best"))

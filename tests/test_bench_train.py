@@ -110,8 +110,8 @@ def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: i
     kwargs = train_worker.loss_kwargs(cfg)
     losses = []
     if faster:
-        opt = train_worker.make_optimizer(params, tc.lr, torch.device("cpu"))
-        step = train_worker.TrainStep(model, params, opt, None, kwargs, torch.device("cpu"), autocast=False,
+        opts = train_worker.make_optimizers(model, tc, torch.device("cpu"))
+        step = train_worker.TrainStep(model, params, opts, [], kwargs, torch.device("cpu"), autocast=False,
                                       max_grad_norm=tc.max_grad_norm)
         for batch in loader:
             sums = train_worker.MetricSums()

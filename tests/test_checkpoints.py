@@ -33,7 +33,7 @@ def _save(model, capture, directory, epoch=0, metrics=None):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     state = {"epoch": epoch, "step": 5, "metrics": metrics or {"val_acc_0": 0.5}, "best": None}
-    checkpoints.save(str(directory), model, optimizer, scheduler, state, capture)
+    checkpoints.save(str(directory), model, [optimizer], [scheduler], state, capture)
     return optimizer, scheduler
 
 
@@ -75,7 +75,7 @@ def test_restore_brings_back_weights_optimizer_scheduler_and_rng(model_and_captu
         fresh.fc.weight.zero_()
     optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    state = checkpoints.restore(str(tmp_path), fresh, optimizer, scheduler)
+    state = checkpoints.restore(str(tmp_path), fresh, [optimizer], [scheduler])
     assert state["epoch"] == 4 and state["step"] == 5
     assert torch.equal(fresh.fc.weight, model.fc.weight)
     assert torch.equal(torch.rand(3), expected_draw)
@@ -92,3 +92,96 @@ def test_best_copy_is_replaced_whole_and_named_in_the_latest_record(model_and_ca
     assert [c["epoch"] for c in record["checkpoints"]] == [0, 1]
     assert not (tmp_path / "best" / "optimizer.pt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "epoch_0000", "epoch_0001"]
+
+
+def _muon_run(tmp_path_factory, tiny_llama, **train_fields):
+    """The train worker's pieces on the shared capture with train.optimizer muon: (cfg, capture, the packed batches
+    of epoch 0, a function building the seeded drafter with its optimizers, schedules and step)."""
+    from eagle3_ray import data, train_worker
+
+    gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
+    capture = storage.read_json(f"{gen_dir}/capture.json")
+    vocab_dir = str(tmp_path_factory.mktemp("vocab"))
+    counts = vocab.count_tokens([(list(range(300)), [1] * 300)])
+    vocab.save_vocab(vocab_dir, *vocab.build_vocab(counts, 256, capture["vocab_size"]), counts)
+    def config(**more):
+        return config_from_dict({"train": {"draft_vocab_size": 256, "total_seq_len": 128, "optimizer": "muon",
+                                           "num_loader_workers": 0, "epochs": 1, **train_fields, **more}})
+
+    cfg = config()
+    refs, _ = data.load_refs(gen_dir)
+    args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
+    loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1, device=torch.device("cpu"))
+    batches = list(loader)
+    cpu = torch.device("cpu")
+
+    def build(**more):
+        """`more`: train fields of this build only (not of the loader)."""
+        cfg = config(**more)
+        torch.manual_seed(0)
+        model = train_worker.build_model(cfg, capture, vocab_dir, cpu)
+        optimizers = train_worker.make_optimizers(model, cfg.train, cpu)
+        schedulers = train_worker.make_schedulers(optimizers, cfg.train.warmup_steps, len(batches))
+        params = [p for p in model.parameters() if p.requires_grad]
+        step = train_worker.TrainStep(model, params, optimizers, schedulers, train_worker.loss_kwargs(cfg), cpu,
+                                      autocast=False, max_grad_norm=cfg.train.max_grad_norm)
+        return model, optimizers, schedulers, step
+
+    return cfg, capture, batches, build
+
+
+def _loss(step, batch, ttt_steps):
+    from eagle3_ray import train_worker
+
+    sums = train_worker.MetricSums()
+    sums.add(step(batch))
+    return train_worker.summarize(sums.reduce(), ttt_steps, "")["loss"]
+
+
+def test_muon_takes_the_matrices_adamw_the_rest_and_the_loss_falls(tmp_path_factory, tiny_llama):
+    cfg, _capture, batches, build = _muon_run(tmp_path_factory, tiny_llama, lr=3e-3, warmup_steps=1)
+    model, optimizers, schedulers, step = build()
+    assert [type(o).__name__ for o in optimizers] == ["Muon", "AdamW"]
+    groups = [{id(p) for g in o.param_groups for p in g["params"]} for o in optimizers]
+    named = dict(model.named_parameters())
+    assert id(named["fc.weight"]) in groups[0] and id(named["norm.weight"]) in groups[1]
+    assert all(len(p.shape) == 2 for p in model.parameters() if id(p) in groups[0])
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert groups[0] | groups[1] == trainable and not groups[0] & groups[1]
+    assert len(batches) >= 8
+    losses = [_loss(step, batch, cfg.train.ttt_steps) for batch in batches]
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+    # the matrices' Muon updates do the learning: with them all but stopped only the norms move, and far less
+    _model, _optimizers, _schedulers, norms_only = build(muon_lr=1e-12)
+    norms_losses = [_loss(norms_only, batch, cfg.train.ttt_steps) for batch in batches]
+    assert norms_losses[0] == losses[0] and sum(losses[-3:]) < 0.6 * sum(norms_losses[-3:]), (losses, norms_losses)
+
+
+def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_stopped(tmp_path_factory, tiny_llama,
+                                                                                         tmp_path):
+    cfg, capture, batches, build = _muon_run(tmp_path_factory, tiny_llama)
+    half = len(batches) // 2
+    whole, whole_opts, _scheds, whole_step = build()
+    for batch in batches:
+        _loss(whole_step, batch, cfg.train.ttt_steps)
+
+    first, first_opts, first_scheds, first_step = build()
+    for batch in batches[:half]:
+        _loss(first_step, batch, cfg.train.ttt_steps)
+    checkpoints.save(str(tmp_path), first, first_opts, first_scheds, {"epoch": 0, "step": half, "metrics": {},
+                                                                       "best": None}, capture)
+    resumed, resumed_opts, resumed_scheds, resumed_step = build()
+    checkpoints.restore(str(tmp_path), resumed, resumed_opts, resumed_scheds)
+    assert [s.last_epoch for s in resumed_scheds] == [half, half]
+    for batch in batches[half:]:
+        _loss(resumed_step, batch, cfg.train.ttt_steps)
+    for (name, got), want in zip(resumed.named_parameters(), whole.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    for got, want in zip(resumed_opts, whole_opts, strict=True):
+        assert got.param_groups[0]["lr"] == want.param_groups[0]["lr"]
+
+    from eagle3_ray import train_worker
+
+    adamw_only = train_worker.make_optimizers(resumed, config_from_dict({}).train, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"optimizers \['Muon', 'AdamW'\], this run builds \['AdamW'\]"):
+        checkpoints.restore(str(tmp_path), resumed, adamw_only, [])

@@ -1,11 +1,16 @@
 """The stage skeleton: a config determines the data every stage reads. Unit tests of stage.run on a temp dir (no Ray,
 no vLLM), then the A -> B -> A case on the real stages: generate with max_tokens A, then B, then A again (skipped),
-then train with config A must train on A's captures; train with epochs A, B, A, then export with A ships A's drafter.
+then train with config A must train on A's captures; train with epochs A, B (with Muon), A, then export with A ships A's
+drafter.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+import torch
 from fixtures_generate import point_generate_at, shared_generate_output
 
 from eagle3_ray import stage, storage
@@ -102,16 +107,22 @@ def test_train_a_then_b_then_a_again_exports_a_drafter(tmp_path_factory, tiny_ll
     gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
     root = tmp_path_factory.mktemp("aba")
 
-    def cfg(epochs: int):
+    def cfg(epochs: int, optimizer: str = "adamw"):
         c = _cfg(root, verifier={"path": tiny_llama, "max_model_len": 512},
                  train={"num_workers": 1, "epochs": epochs, "total_seq_len": 256, "draft_vocab_size": 512,
-                        "log_every_steps": 5, "num_loader_workers": 0},
+                        "log_every_steps": 5, "num_loader_workers": 0, "optimizer": optimizer},
                  export={"checkpoint": "last"})
         point_generate_at(c, gen_dir)
         return c
 
-    one, two = cfg(1), cfg(2)
+    one, two = cfg(1), cfg(2, "muon")
     first, second = train.run(one), train.run(two)
+    # b trains with Muon + AdamW: both rates are in its metric lines, and its checkpoints hold both optimizers
+    lines = [json.loads(line) for line in open(os.path.join(second["path"], "metrics.jsonl"))]
+    train_lines = [r for r in lines if r["kind"] == "train"]
+    assert train_lines and all({"lr", "muon_lr"} <= set(r) for r in train_lines)
+    saved = torch.load(os.path.join(second["last"]["path"], "optimizer.pt"), weights_only=True)
+    assert [o["class"] for o in saved] == ["Muon", "AdamW"]
     assert train.run(one)["skipped"]
     assert storage.latest(one.run.run_dir, "train")["path"] == first["path"] != second["path"]
     exported = export.run(one)
