@@ -202,13 +202,20 @@ class EngineActor:
         test) to find the engine of a replica. Returns the vLLM processes (EngineCore, workers)."""
         import psutil
 
-        children = psutil.Process().children(recursive=True)
+        def command(proc: psutil.Process) -> str | None:
+            try:
+                return proc.name() + " ".join(proc.cmdline())
+            except psutil.NoSuchProcess:  # a short-lived child (a helper vLLM or a compiler ran) that has ended
+                return None
+
+        children = [(p, command(p)) for p in psutil.Process().children(recursive=True)]
+        children = [(p, cmd) for p, cmd in children if cmd is not None]
         self.ready_time = time.time()
-        info = {"pid": os.getpid(), "engine_pids": [p.pid for p in children], "scratch": self.scratch,
+        info = {"pid": os.getpid(), "engine_pids": [p.pid for p, _cmd in children], "scratch": self.scratch,
                 "kind": self.kind, "start_time": self.start_time, "ready_time": self.ready_time}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
         telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
-        return [p for p in children if "VLLM" in p.name() + " ".join(p.cmdline())]
+        return [p for p, cmd in children if "VLLM" in cmd]
 
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         # num_tokens: the planner's token budget of the unit (absent: every sample at max_model_len)
