@@ -51,10 +51,10 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     storage_path = ray_head.temp_dir / "runs"
     run_dir = storage_path / "stopped"
     # One sample per generate unit (each unit commits on its own), two units in flight (the stop lands with a unit
-    # half done), 120 builtin prompts with 96-token answers. The stop goes through the Jobs REST API (what
+    # half done), 48 builtin prompts with 96-token answers. The stop goes through the Jobs REST API (what
     # `ray job stop` calls) the moment the first part lands: CI once finished all 120 units in the seconds the
     # `ray job stop` CLI took to start.
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=120", "generate.max_batch_tokens=160",
+    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=48", "generate.max_batch_tokens=160",
                                      "generate.max_tokens=96", "generate.units_in_flight=2",
                                      "--stages", "ingest,generate")
     ray_head.submit("eagle3-stop-1", *entrypoint)
