@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from processes import kill_processes
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -186,13 +187,7 @@ def stop_head(head: RayHead) -> None:
         head.process.wait(timeout=5)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    stragglers = _own_processes(head)
-    for proc in stragglers:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(stragglers, timeout=10)
+    kill_processes(_own_processes(head), timeout_s=10)
 
 
 @pytest.fixture(scope="session")

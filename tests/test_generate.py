@@ -23,6 +23,7 @@ from eagle3_ray.config import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ingest_fixtures import conversations, write_ingest  # noqa: E402
+from processes import kill_processes  # noqa: E402
 
 
 
@@ -278,12 +279,7 @@ def _kill_session(sid: int) -> None:
     deadline = time.monotonic() + 60
     while procs := [p for p in psutil.process_iter() if _sid(p) == sid]:
         assert time.monotonic() < deadline, f"processes of session {sid} still alive after SIGKILL: {procs}"
-        for p in procs:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(procs, timeout=5)
+        kill_processes(procs, timeout_s=5)
 
 
 def _sid(proc: psutil.Process) -> int | None:
