@@ -234,27 +234,30 @@ class EngineActor:
         num_bytes = num_tokens * self.bytes_per_token
         await self.budget.acquire(num_bytes, unit_id)
         try:
-            start = time.time()
-            convs = await self._run_conversations(unit_id, samples)
+            start, sent = time.time(), {}
+            convs = await self._run_conversations(unit_id, samples, sent)
             engine_done = time.time()
             rows = await self.writer.commit(unit_id, convs, self.sink)
         finally:
             await self.budget.release(num_bytes)
         shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
-        # seconds since this engine was ready: when the unit arrived, got its bytes, finished its requests, its last
-        # capture was readable / prepared / in its shard (last_captured_s ..), committed; then the writer threads'
-        # seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
+        # seconds since this engine was ready: when the unit arrived, got its bytes, sent its requests, finished them,
+        # its last capture was readable / prepared / in its shard (last_captured_s ..), committed; then the writer
+        # threads' seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
         stamps = {f"last_{k.removesuffix('_at')}_s": max(c.timing[k] for c in convs if k in c.timing)
                   for k in commit.CaptureWriter.STAMPS if any(k in c.timing for c in convs)}
         telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
                       **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
+                                                                     ("submitted_s", sent["submitted"]),
+                                                                     ("requests_done_s", sent.get("finished", start)),
                                                                      ("engine_done_s", engine_done), *stamps.items(),
                                                                      ("committed_s", time.time()))},
                       **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS})
         return rows
 
-    def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]]) -> asyncio.Future:
-        """Submit every conversation's first request; the future resolves when all of them have finished."""
+    def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]], stamps: dict) -> asyncio.Future:
+        """Submit every conversation's first request; the future resolves when all of them have finished. stamps:
+        "submitted" (when the requests went to the engine loop), "finished" (when its thread saw the last one end)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         convs = [chat.Conversation(s, self.chat, self.cfg, self.scratch, unit_id, self.kind) for s in samples]
@@ -266,6 +269,7 @@ class EngineActor:
             self.writer.prepare(conv)
             left[0] -= 1
             if left[0] == 0:
+                stamps["finished"] = time.time()
                 loop.call_soon_threadsafe(_resolve, future, convs, None)
             return []
 
@@ -286,6 +290,7 @@ class EngineActor:
         if not convs:
             future.set_result([])
         self.requests.submit(first)
+        stamps["submitted"] = time.time()
         if self.kind == "prefill":
             self.writer.complete(convs)  # capture_only's loss masks while the engine runs
         return future
