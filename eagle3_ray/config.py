@@ -210,7 +210,7 @@ class TrainConfig:
     """Peak learning rate of AdamW (linear warmup then cosine decay, one schedule per optimizer)."""
     optimizer: Literal["adamw", "muon"] = "adamw"
     """`adamw`: AdamW over every trainable parameter. `muon`: speculators' split (its Trainer's default): torch's
-    Muon over the drafter's 2D weight matrices, AdamW over the rest (norms, biases, the draft lm_head)."""
+    Muon over the drafter's 2D weight matrices (fc, attention, MLP), AdamW over the rest (norms, biases)."""
     weight_decay: float = 0.01
     """AdamW's weight decay (of the AdamW group with `muon`)."""
     muon_lr: float | None = None

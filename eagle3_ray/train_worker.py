@@ -32,7 +32,7 @@ from speculators.train.optimizers import split_named_params_for_muon
 from speculators.train.utils import normalize_counted_metrics
 
 from eagle3_ray import acceptance, checkpoints, data, storage, vocab
-from eagle3_ray.config import Config, config_from_dict
+from eagle3_ray.config import Config, TrainConfig, config_from_dict
 from eagle3_ray.telemetry import JsonlWriter, log, metrics
 from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
@@ -308,7 +308,7 @@ def metric_tensors(metric_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {k: v.detach() for k, v in metric_dict.items() if k.startswith(keep)}
 
 
-def make_optimizers(model: torch.nn.Module, tc, device: torch.device) -> list[torch.optim.Optimizer]:
+def make_optimizers(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> list[torch.optim.Optimizer]:
     """The optimizers of `train.optimizer`, stepped together: `adamw`, one AdamW over every trainable parameter;
     `muon`, speculators' partition (split_named_params_for_muon, as its Trainer builds it): torch's Muon over the 2D
     weight matrices, then AdamW over the rest. AdamW runs fused into one kernel per step on CUDA, foreach on CPU."""
