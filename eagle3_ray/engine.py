@@ -247,6 +247,7 @@ class EngineActor:
         stamps = {f"last_{k.removesuffix('_at')}_s": max(c.timing[k] for c in convs if k in c.timing)
                   for k in commit.CaptureWriter.STAMPS if any(k in c.timing for c in convs)}
         telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
+                      engine_steps=self.requests.num_steps,
                       **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
                                                                      ("submitted_s", sent["submitted"]),
                                                                      ("requests_done_s", sent.get("finished", start)),
