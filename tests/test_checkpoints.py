@@ -14,16 +14,21 @@ from eagle3_ray.config import config_from_dict
 from speculators.models.eagle3 import Eagle3DraftModel
 
 
-@pytest.fixture(scope="module")
-def model_and_capture(tmp_path_factory, tiny_llama):
-    from eagle3_ray.train_worker import build_model  # imports Ray: only after conftest has set its environment
-
+def _capture_and_vocab(tmp_path_factory, tiny_llama) -> tuple[str, dict, str]:
+    """The session's shared capture (its dir and capture.json) and a 256-token draft vocab dir for it."""
     gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
     capture = storage.read_json(f"{gen_dir}/capture.json")
     vocab_dir = str(tmp_path_factory.mktemp("vocab"))
     counts = vocab.count_tokens([(list(range(300)), [1] * 300)])
-    d2t, t2d = vocab.build_vocab(counts, 256, capture["vocab_size"])
-    vocab.save_vocab(vocab_dir, d2t, t2d, counts)
+    vocab.save_vocab(vocab_dir, *vocab.build_vocab(counts, 256, capture["vocab_size"]), counts)
+    return gen_dir, capture, vocab_dir
+
+
+@pytest.fixture(scope="module")
+def model_and_capture(tmp_path_factory, tiny_llama):
+    from eagle3_ray.train_worker import build_model  # imports Ray: only after conftest has set its environment
+
+    _gen_dir, capture, vocab_dir = _capture_and_vocab(tmp_path_factory, tiny_llama)
     cfg = config_from_dict({"train": {"draft_vocab_size": 256, "total_seq_len": 128}})
     model = build_model(cfg, capture, vocab_dir, torch.device("cpu"))
     return model, capture
@@ -99,11 +104,8 @@ def _muon_run(tmp_path_factory, tiny_llama, **train_fields):
     of epoch 0, a function building the seeded drafter with its optimizers, schedules and step)."""
     from eagle3_ray import data, train_worker
 
-    gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
-    capture = storage.read_json(f"{gen_dir}/capture.json")
-    vocab_dir = str(tmp_path_factory.mktemp("vocab"))
-    counts = vocab.count_tokens([(list(range(300)), [1] * 300)])
-    vocab.save_vocab(vocab_dir, *vocab.build_vocab(counts, 256, capture["vocab_size"]), counts)
+    gen_dir, capture, vocab_dir = _capture_and_vocab(tmp_path_factory, tiny_llama)
+
     def config(**more):
         return config_from_dict({"train": {"draft_vocab_size": 256, "total_seq_len": 128, "optimizer": "muon",
                                            "num_loader_workers": 0, "epochs": 1, **train_fields, **more}})
