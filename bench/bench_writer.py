@@ -16,11 +16,12 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from eagle3_ray import shards
 
@@ -36,7 +37,6 @@ def main() -> None:
     p.add_argument("--out-dir", default="/tmp/writer_bench", help="where shards go (the run dir's disk)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args()
-    torch.set_num_threads(1)  # each writer thread runs its ops single-threaded, as in the engine actor
     hs = torch.randn(args.tokens, args.layers, args.hidden).to(torch.bfloat16)
     tokens = torch.arange(args.tokens)
     gb = args.samples * hs.numel() * 2 / 1e9
@@ -47,8 +47,14 @@ def main() -> None:
     def connector(i: int) -> None:
         save_file({"hidden_states": hs, "token_ids": tokens}, f"{scratch}/{i}.safetensors")
 
-    def read(i: int) -> torch.Tensor:
-        return load_file(f"{scratch}/{i}.safetensors")["hidden_states"]
+    local = threading.local()
+
+    def writer_thread() -> None:  # as commit.CaptureWriter's threads start
+        torch.set_num_threads(1)
+        local.buffer = shards.ReadBuffer()
+
+    def read(i: int) -> torch.Tensor:  # as the stage reads a sample it streams into its shard (chat.load_capture)
+        return shards.read_safetensors(f"{scratch}/{i}.safetensors", local.buffer)["hidden_states"]
 
     def stats(i: int) -> None:
         shards.capture_stats(read(i))
@@ -70,7 +76,7 @@ def main() -> None:
                 shutil.rmtree(scratch)
                 os.makedirs(scratch)
             start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
+            with ThreadPoolExecutor(threads, initializer=writer_thread) as pool:
                 list(pool.map(fn, range(args.samples)))
             row[f"{name}_gb_s"] = gb / (time.perf_counter() - start)
             if name != "connector_write":

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eagle3_ray import shards
 from eagle3_ray.config import Config
 
 Message = dict[str, str]
@@ -196,19 +197,17 @@ class Conversation:
         return False
 
 
-def load_capture(record: dict[str, Any], path: str) -> torch.Tensor:
+def load_capture(record: dict[str, Any], path: str, buffer: Any = None) -> torch.Tensor:
     """The captured hidden states [T, num_layers, H] of a finished request, checked against the record's tokens;
-    the per-request file is deleted once read."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states,
-        load_hidden_states,
-    )
+    the per-request file is deleted once read. The lock is free by now (wait_for_capture), so this only reads,
+    into `buffer` (shards.ReadBuffer: the tensor is a view of it) or fresh memory."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
 
-    data = load_hidden_states(path)  # the lock is free by now (wait_for_capture), so this only reads
+    data = shards.read_safetensors(path, buffer)
     cleanup_hidden_states(path)
     hidden, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, num_layers, H], [T]
     expected = torch.tensor(record["input_ids"][: record.pop("_num_captured")])
-    assert torch.equal(token_ids.cpu().long(), expected), f"{record['id']}: captured tokens differ from input_ids"
+    assert torch.equal(token_ids.long(), expected), f"{record['id']}: captured tokens differ from input_ids"
     return hidden
 
 

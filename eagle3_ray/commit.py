@@ -92,6 +92,7 @@ class CaptureWriter:
         self.dtype = dtype
         self.jobs: queue.PriorityQueue = queue.PriorityQueue()
         self.order = itertools.count()  # FIFO within a kind
+        self.local = threading.local()  # each writer thread's shards.ReadBuffer
         for i in range(num_threads):
             threading.Thread(target=self._run, name=f"capture-writer-{i}", daemon=True).start()
 
@@ -124,6 +125,7 @@ class CaptureWriter:
         # team and the size later threads start with; the actor runs no other heavy torch work: vLLM's engine is a
         # process of its own, started before the writers.)
         torch.set_num_threads(1)
+        self.local.buffer = shards.ReadBuffer()
         while True:
             _, _, kind, job = self.jobs.get()
             if kind == "discard":
@@ -154,7 +156,11 @@ class CaptureWriter:
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
                 conv.timing["captured_at"] = time.time()
-                hs = chat.load_capture(r, conv.capture_path)  # shape: [T, L, H]
+                # A sample streamed into its shard is written by this thread before its next read, so it is read
+                # into the thread's buffer; any other is kept until its unit commits and gets memory of its own.
+                streamed = conv.shard is not None and conv.shard[0].streamed
+                buffer = getattr(self.local, "buffer", None) if streamed else None
+                hs = chat.load_capture(r, conv.capture_path, buffer)  # shape: [T, L, H]
                 r["num_tokens"] = hs.shape[0]
                 conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
             except BaseException as e:
@@ -299,6 +305,8 @@ class ShardPlan:
                 conv.prepared = (stats, None)  # in the shard file: the tensors can go
                 conv.timing["shard_write_s"] = time.monotonic() - start
         except BaseException as e:  # raised by the unit's commit
+            if self.streamed:
+                conv.prepared = (conv.prepared[0], None)  # its tensors may be views of a writer's ReadBuffer
             self._fail(e)
             return
         with self.lock:

@@ -31,7 +31,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # safetensors' header names of the dtypes shards hold (its format: 8-byte little-endian header length, the JSON
 # header {name: {dtype, shape, data_offsets [begin, end) into the payload}, "__metadata__": {...}}, the payload)
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                      "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8}
+                      "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 MANIFEST_SCHEMA = pa.schema([
     ("id", pa.string()),             # sample id (content hash from ingest)
@@ -84,6 +84,44 @@ def sample_layout(key: str, num_tokens: int, num_layers: int, hidden_size: int, 
 def layout_bytes(layout: list[tuple]) -> int:
     """Bytes of the tensors a sample_layout lists."""
     return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
+
+
+class ReadBuffer:
+    """A writer thread's memory for reading capture files, reused from one file to the next (read_safetensors): its
+    pages stay mapped, so a read is one copy. Fresh memory for every 10 MB capture (or safetensors' lazily mapped
+    load) adds page faults, which threads of one process take in turn: the reads stopped scaling past a few
+    threads. What a read into it returns is valid until the buffer's next read."""
+
+    def __init__(self) -> None:
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        if self.data.numel() < num_bytes:
+            self.data = torch.empty(num_bytes, dtype=torch.uint8)
+        return self.data[:num_bytes]
+
+
+def read_safetensors(path: str, buffer: ReadBuffer | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a local safetensors file, its payload read with `readinto` into `buffer` (the tensors are
+    views of it, valid until its next read) or into fresh memory."""
+    with open(path, "rb", buffering=0) as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        size = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+        data = buffer.take(size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
+        view, got = memoryview(data.numpy()), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path}: {got} of its {size} payload bytes, the file ends there")
+            got += n
+    tensors = {}
+    for name, meta in header.items():
+        dtype, (begin, end) = SAFETENSORS_DTYPES[meta["dtype"]], meta["data_offsets"]
+        raw = data[begin:end] if begin % dtype.itemsize == 0 else data[begin:end].clone()  # view needs alignment
+        tensors[name] = raw.view(dtype).view(meta["shape"])
+    return tensors
 
 
 class StreamedShard:
