@@ -159,7 +159,7 @@ class CaptureWriter:
                 # A sample streamed into its shard is written by this thread before its next read, so it is read
                 # into the thread's buffer; any other is kept until its unit commits and gets memory of its own.
                 streamed = conv.shard is not None and conv.shard[0].streamed
-                buffer = getattr(self.local, "buffer", None) if streamed else None
+                buffer = self.local.buffer if streamed else None
                 hs = chat.load_capture(r, conv.capture_path, buffer)  # shape: [T, L, H]
                 r["num_tokens"] = hs.shape[0]
                 conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))

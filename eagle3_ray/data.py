@@ -28,7 +28,6 @@ two bf16 reductions (~60 ms) and the batch is written once, straight into shared
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import struct
@@ -145,18 +144,15 @@ def _open_shard(uri: str) -> tuple[object, dict, int, int]:
         raise BadSampleError(f"{uri}: shard file is missing ({type(e).__name__})") from e
     size = f.size()
     try:
-        (header_len,) = struct.unpack("<Q", f.read_at(8, 0))
-        header = json.loads(f.read_at(header_len, 8))
+        header, payload, payload_end = shards.read_header(f.read_at)
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise BadSampleError(f"{uri}: unreadable safetensors header ({e})") from e
-    header.pop("__metadata__", None)
-    payload_end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if size < 8 + header_len + payload_end:
-        raise BadSampleError(f"{uri}: truncated ({size} bytes, header promises {8 + header_len + payload_end})")
+    if size < payload + payload_end:
+        raise BadSampleError(f"{uri}: truncated ({size} bytes, header promises {payload + payload_end})")
     if isinstance(f, pa.MemoryMappedFile):
         f.seek(0)
         f = f.read_buffer(size)  # the whole mapping as one zero-copy buffer, sliced per tensor
-    return f, header, 8 + header_len, size
+    return f, header, payload, size
 
 
 def check_shards(refs: list[SampleRef], num_layers: int, hidden_size: int) -> dict[str, str]:

@@ -17,6 +17,7 @@ import math
 import os
 import struct
 import uuid
+from typing import Callable
 
 import pyarrow as pa
 import torch
@@ -86,6 +87,15 @@ def layout_bytes(layout: list[tuple]) -> int:
     return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
 
 
+def read_header(read_at: Callable[[int, int], bytes]) -> tuple[dict, int, int]:
+    """A safetensors file's header through `read_at(num_bytes, offset)`: ({tensor name: entry} without
+    `__metadata__`, where the payload starts, the payload's bytes as the entries promise them)."""
+    (header_len,) = struct.unpack("<Q", read_at(8, 0))
+    header = json.loads(read_at(header_len, 8))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len, max((entry["data_offsets"][1] for entry in header.values()), default=0)
+
+
 class ReadBuffer:
     """A writer thread's memory for reading capture files, reused from one file to the next (read_safetensors): its
     pages stay mapped, so a read is one copy. Fresh memory for every 10 MB capture (or safetensors' lazily mapped
@@ -105,10 +115,8 @@ def read_safetensors(path: str, buffer: ReadBuffer | None = None) -> dict[str, t
     """Every tensor of a local safetensors file, its payload read with `readinto` into `buffer` (the tensors are
     views of it, valid until its next read) or into fresh memory."""
     with open(path, "rb", buffering=0) as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        size = max((meta["data_offsets"][1] for meta in header.values()), default=0)
+        header, payload, size = read_header(lambda num_bytes, offset: os.pread(f.fileno(), num_bytes, offset))
+        f.seek(payload)
         data = buffer.take(size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
         view, got = memoryview(data.numpy()), 0
         while got < size:
