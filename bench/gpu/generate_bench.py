@@ -11,9 +11,10 @@ time) and prints one `RESULT {json}` line:
                   its per-request files where the stage's go (engine.scratch_dir: /dev/shm when it has room)
   prefill         connector-level capture of the plain run's finished sequences (max_tokens=1): what capture_only wraps
   stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
-Rates exclude engine start (reported apart): engine rows time the generate() call (and the capture files being
-complete); stage rows time from the first engine ready (engines/*.json) to the last commit (parts/*.parquet), less
-the capture engine's start in two_pass; `total_wall_s` is the stage's own wall, starts included.
+Rates exclude engine start (reported apart): engine rows time the generate() call and the capture files being
+complete (`generate_s`: the call alone, files maybe still on their way); stage rows time from the first engine ready
+(engines/*.json) to the last commit (parts/*.parquet), less the capture engine's start in two_pass; `total_wall_s`
+is the stage's own wall, starts included.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def make_cfg(args, work: str, mode: str, out_len: int):
                      "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
                      "num_cpus_per_replica": args.num_cpus_per_replica,
                      "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
-                     "writer_threads": args.writer_threads,
+                     "writer_threads": args.writer_threads, "pinned_buffer_bytes": args.pinned_buffer_bytes,
                      "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": args.shard_max_bytes}})
 
 
@@ -89,6 +90,7 @@ def engine_child(args, mode: str, out_len: int) -> dict:
               for extra in capture]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    generate_s = time.perf_counter() - t0  # the last request is out; its capture file may still be on its way
     num_bytes = 0 if mode == "plain" else files_complete(paths)
     wall_s = time.perf_counter() - t0
     out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
@@ -97,7 +99,7 @@ def engine_child(args, mode: str, out_len: int) -> dict:
         Path(args.work, f"plain-{out_len}-sequences.json").write_text(json.dumps(seqs))
     shutil.rmtree(scratch, ignore_errors=True)
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "wall_s": wall_s,
+    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "wall_s": wall_s, "generate_s": generate_s,
             "scratch_dirs": [os.path.dirname(scratch)],
             "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
             "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s}
@@ -274,6 +276,8 @@ def parse_args():
     p.add_argument("--shard-max-bytes", type=int, default=1 << 30, help="generate.shard_max_bytes of the stage")
     p.add_argument("--drop-shards", action="store_true", help="delete each stage run's shards once measured (disk)")
     p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
+    p.add_argument("--pinned-buffer-bytes", type=int, default=2 << 30,
+                   help="generate.pinned_buffer_bytes of every capture engine (0: fresh pinned memory per request)")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
     p.add_argument("--num-cpus-per-replica", type=float, default=None,
                    help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
