@@ -12,12 +12,10 @@ a complete file. A prefill unit's local shards are written sample by sample into
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
 import struct
-import threading
 import uuid
 from typing import Callable
 
@@ -111,47 +109,6 @@ class ReadBuffer:
         if self.data.numel() < num_bytes:
             self.data = torch.empty(num_bytes, dtype=torch.uint8)
         return self.data[:num_bytes]
-
-
-class HostArena:
-    """Host memory reserved once and lent out in pieces: the connector's device-to-host copies of finished
-    requests' captures (pinned, so the copy runs asynchronously). A fresh pinned tensor per request costs a
-    cudaHostAlloc on vLLM's worker thread while the GPU waits: on an H200 machine 9 ms per 10 MB capture, 0.46 s
-    for the 50 requests one prefill step finishes (torch's pinned cache keeps blocks by power-of-two size, so a
-    fresh engine and every new size pays it). First fit over the free ranges, in 4 KiB pages; `take` returns None
-    when no free range is large enough (the caller gets fresh memory instead). Safe from any thread."""
-
-    PAGE_BYTES = 4096
-
-    def __init__(self, num_bytes: int, pin_memory: bool):
-        self.data = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-        self.free: list[list[int]] = [[0, num_bytes]]  # [begin, end) byte ranges, sorted, never touching
-        self.lock = threading.Lock()
-
-    def take(self, num_bytes: int) -> tuple[int, torch.Tensor] | None:
-        """(where it starts, `num_bytes` of the arena), held until `give(start, num_bytes)`; or None."""
-        size = -(-num_bytes // self.PAGE_BYTES) * self.PAGE_BYTES
-        with self.lock:
-            for i, (begin, end) in enumerate(self.free):
-                if end - begin >= size:
-                    if end - begin == size:
-                        del self.free[i]
-                    else:
-                        self.free[i][0] = begin + size
-                    return begin, self.data[begin:begin + num_bytes]
-        return None
-
-    def give(self, start: int, num_bytes: int) -> None:
-        end = start + -(-num_bytes // self.PAGE_BYTES) * self.PAGE_BYTES
-        with self.lock:
-            i = bisect.bisect(self.free, [start, end])
-            assert (i == 0 or self.free[i - 1][1] <= start) and (i == len(self.free) or end <= self.free[i][0]), \
-                f"range [{start}, {end}) given back twice"
-            self.free.insert(i, [start, end])
-            if i + 1 < len(self.free) and self.free[i + 1][0] == end:  # merge with the range after it
-                self.free[i][1] = self.free.pop(i + 1)[1]
-            if i > 0 and self.free[i - 1][1] == start:  # and the one before
-                self.free[i - 1][1] = self.free.pop(i)[1]
 
 
 def read_safetensors(path: str, buffer: ReadBuffer | None = None) -> dict[str, torch.Tensor]:

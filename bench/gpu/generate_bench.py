@@ -47,7 +47,7 @@ def make_cfg(args, work: str, mode: str, out_len: int):
                      "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
                      "num_cpus_per_replica": args.num_cpus_per_replica,
                      "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
-                     "writer_threads": args.writer_threads, "pinned_buffer_bytes": args.pinned_buffer_bytes,
+                     "writer_threads": args.writer_threads,
                      "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": args.shard_max_bytes}})
 
 
@@ -276,8 +276,6 @@ def parse_args():
     p.add_argument("--shard-max-bytes", type=int, default=1 << 30, help="generate.shard_max_bytes of the stage")
     p.add_argument("--drop-shards", action="store_true", help="delete each stage run's shards once measured (disk)")
     p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
-    p.add_argument("--pinned-buffer-bytes", type=int, default=2 << 30,
-                   help="generate.pinned_buffer_bytes of every capture engine (0: fresh pinned memory per request)")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
     p.add_argument("--num-cpus-per-replica", type=float, default=None,
                    help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
