@@ -102,6 +102,8 @@ class Conversation:
         self.sample, self.turns, self.history, self.turn = sample, user_turns(sample["messages"]), [], 0
         self.prompt: list[int] = []
         self.capture_path: str | None = None
+        # the kv_transfer_params of its capture request: commit.ShardPlan adds a planned sample's place in its shard
+        self.transfer_params: dict[str, Any] | None = None
         self.discarded: list[str] = []
         # commit.CaptureWriter: the final capture read, as (stats, encoded) or the error reading it raised
         self.prepared: tuple | BaseException | None = None
@@ -181,8 +183,8 @@ class Conversation:
         extra = None
         if capture:
             self.capture_path = os.path.join(self.dir, f"{self.record['id']}-{self.turn}.safetensors")
-            extra = {"kv_transfer_params": {"hidden_states_path": self.capture_path,
-                                            "include_output_tokens": include_output}}
+            self.transfer_params = {"hidden_states_path": self.capture_path, "include_output_tokens": include_output}
+            extra = {"kv_transfer_params": self.transfer_params}
         params = SamplingParams(temperature=gen.temperature, top_p=gen.top_p,
                                 seed=request_seed(self.cfg.run.seed, self.record["id"], self.turn),
                                 ignore_eos=gen.ignore_eos and max_tokens > 1,
@@ -197,18 +199,22 @@ class Conversation:
         return False
 
 
-def load_capture(record: dict[str, Any], path: str, buffer: Any = None) -> torch.Tensor:
-    """The captured hidden states [T, num_layers, H] of a finished request, checked against the record's tokens;
-    the per-request file is deleted once read. The lock is free by now (wait_for_capture), so this only reads,
-    into `buffer` (shards.ReadBuffer: the tensor is a view of it) or fresh memory."""
+def load_capture(record: dict[str, Any], path: str, buffer: Any = None) -> dict[str, torch.Tensor]:
+    """A finished request's capture file, its tokens checked against the record's: `hidden_states`
+    [T, num_layers, H] and `token_ids` [T], or, for a sample vLLM's connector wrote into its planned shard, the
+    note it left (`token_ids`, `norms` [T, num_layers], `nonfinite` [num_layers]: shards.write_planned_capture).
+    The file is deleted once read. The lock is free by now (wait_for_capture), so this only reads, into `buffer`
+    (shards.ReadBuffer: the tensors are views of it) or fresh memory."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
 
+    if not os.path.exists(path):
+        raise RuntimeError(f"generate: sample {record['id']}: vLLM's connector wrote no capture at {path} (the engine "
+                           "log says why: 'Hidden-states write failed')")
     data = shards.read_safetensors(path, buffer)
     cleanup_hidden_states(path)
-    hidden, token_ids = data["hidden_states"], data["token_ids"]  # shape: [T, num_layers, H], [T]
     expected = torch.tensor(record["input_ids"][: record.pop("_num_captured")])
-    assert torch.equal(token_ids.long(), expected), f"{record['id']}: captured tokens differ from input_ids"
-    return hidden
+    assert torch.equal(data["token_ids"].long(), expected), f"{record['id']}: captured tokens differ from input_ids"
+    return data
 
 
 def wait_for_capture(path: str) -> None:

@@ -6,7 +6,8 @@ goes on with other requests.
     engine loop (conversation done) --CaptureWriter.prepare--> writer thread: read scratch file -> stats -> encode
     engine loop (unit done) --CaptureWriter.commit--> writer thread: check -> sink
     prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
-    fixes their shards up front, and each sample goes into its shard file as soon as it is prepared
+    fixes their shards up front, vLLM's connector writes each sample into its place in a local shard itself, and
+    the writer thread reads only the note it leaves (norms) to check the sample
     ShardSink       shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
     GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
     (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
@@ -47,12 +48,6 @@ SUMMARY_KEYS = ("id", "unit_id", "status", "num_tokens", "num_bytes")
 
 class CaptureCheckError(RuntimeError):
     """A capture that must not be trained on (non-finite values, mostly zero rows)."""
-
-
-def encode(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    if dtype == "float32":  # exact storage, for checks against a reference forward pass
-        return {f"{key}.hs": hidden_states.float().contiguous()}
-    return shards.encode_sample(key, hidden_states, dtype)
 
 
 def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: list[int], shard: str) -> None:
@@ -156,13 +151,18 @@ class CaptureWriter:
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
                 conv.timing["captured_at"] = time.time()
-                # A sample streamed into its shard is written by this thread before its next read, so it is read
-                # into the thread's buffer; any other is kept until its unit commits and gets memory of its own.
+                # A sample in a local planned shard was written there by vLLM's connector, which left a note of its
+                # norms: read into the thread's buffer, used at once. Any other capture is kept until its unit
+                # commits and gets memory of its own.
                 streamed = conv.shard is not None and conv.shard[0].streamed
-                buffer = self.local.buffer if streamed else None
-                hs = chat.load_capture(r, conv.capture_path, buffer)  # shape: [T, L, H]
-                r["num_tokens"] = hs.shape[0]
-                conv.prepared = (shards.capture_stats(hs), encode(r["id"], hs, self.dtype))
+                data = chat.load_capture(r, conv.capture_path, self.local.buffer if streamed else None)
+                if streamed:
+                    r["num_tokens"] = data["norms"].shape[0]
+                    conv.prepared = (shards.stats_from_norms(data["norms"], data["nonfinite"]), None)
+                else:
+                    hs = data["hidden_states"]  # shape: [T, L, H]
+                    r["num_tokens"] = hs.shape[0]
+                    conv.prepared = (shards.capture_stats(hs), shards.encode_sample(r["id"], hs, self.dtype))
             except BaseException as e:
                 conv.prepared = e
                 return
@@ -268,45 +268,46 @@ class ShardPlan:
     """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
     made (`_num_captured`), so the samples are grouped by their stored bytes up front, in the unit's order, and each
     shard's layout (shards.sample_layout of its samples) is known. On a local run dir each shard is a
-    shards.StreamedShard: the writer thread that prepares a sample checks it and writes its tensors into the shard
-    file right away (letting go of them), and the thread that writes a shard's last sample moves the shard into
-    place, so a unit's shards are complete moments after its last capture. On an object store the thread that
-    prepares a shard's last sample uploads the shard whole. Each planned conversation gets
-    `conv.shard = (plan, group index)`; the unit's commit then writes only its part file (ShardSink.write with
-    `shard_bytes()`), or, when the unit fails, `abort()` removes its unfinished shard files."""
+    shards.StreamedShard, made here, before the unit's requests go out, and each sample's request carries its place
+    in it (`kv_transfer_params["shard"]`): vLLM's connector writes the sample's stored tensors there itself
+    (eagle3_ray/connector.py) and leaves a note of its norms; the writer thread that reads a sample's note checks it,
+    and the thread that checks a shard's last sample moves the shard into place, so a unit's shards are complete
+    moments after its last capture. On an object store the thread that prepares a shard's last sample uploads the
+    shard whole. Each planned conversation gets `conv.shard = (plan, group index)`; the unit's commit then writes
+    only its part file (ShardSink.write with `shard_bytes()`), or, when the unit fails, `abort()` removes its
+    unfinished shard files."""
 
     def __init__(self, sink: ShardSink, unit_id: str, convs: list, hidden_size: int):
-        gen = sink.cfg.generate
+        dtype = sink.cfg.generate.hidden_states_dtype
         layouts = [shards.sample_layout(c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size,
-                                        gen.hidden_states_dtype) for c in convs]
-        groups = shards.greedy_groups([shards.layout_bytes(x) for x in layouts], gen.shard_max_bytes)
+                                        dtype) for c in convs]
+        groups = shards.greedy_groups([shards.layout_bytes(x) for x in layouts], sink.cfg.generate.shard_max_bytes)
         self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.groups = [[convs[i] for i in g] for g in groups]
         self.layouts = [[entry for i in g for entry in layouts[i]] for g in groups]
         self.names = shard_names(unit_id, len(groups))
         self.streamed = storage.is_local(sink.out_dir)
-        self.files: list[shards.StreamedShard | None] = [None] * len(groups)
+        self.files = [shards.StreamedShard(sink.shard_uri(name), layout, metadata={"unit_id": unit_id})
+                      for name, layout in zip(self.names, self.layouts)] if self.streamed else []
         self.left = [len(g) for g in groups]  # samples of each shard not yet prepared
         self.written: dict[str, int] = {}
         self.error: BaseException | None = None
-        self.aborted = False
         for j, group in enumerate(self.groups):
             for conv in group:
                 conv.shard = (self, j)
+                if self.streamed:
+                    key = conv.record["id"]
+                    names = [name for name, _, _ in shards.sample_layout(key, 0, 0, 0, dtype)]
+                    conv.transfer_params["shard"] = {"file": self.files[j].tmp, "key": key, "dtype": dtype,
+                                                     "ranges": self.files[j].ranges(names)}
 
     def prepared(self, j: int, conv: Any) -> None:
-        """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock)."""
+        """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock): in a
+        streamed shard its tensors are in place already, written by the connector."""
         try:
             if self.streamed:
-                start = time.monotonic()
-                stats, encoded = conv.prepared
-                check_sample(self.sink.cfg, conv.record, stats, self.sink.layer_ids, self.names[j])
-                self._file(j).write(encoded)
-                conv.prepared = (stats, None)  # in the shard file: the tensors can go
-                conv.timing["shard_write_s"] = time.monotonic() - start
+                check_sample(self.sink.cfg, conv.record, conv.prepared[0], self.sink.layer_ids, self.names[j])
         except BaseException as e:  # raised by the unit's commit
-            if self.streamed:
-                conv.prepared = (conv.prepared[0], None)  # its tensors may be views of a writer's ReadBuffer
             self._fail(e)
             return
         with self.lock:
@@ -331,19 +332,9 @@ class ShardPlan:
         with self.lock:
             self.written[self.names[j]] = num_bytes
         last = convs[-1].timing
-        last.update(shard_write_s=last.get("shard_write_s", 0.0) + time.monotonic() - start,
-                    shard_written_at=time.time())
+        last.update(shard_write_s=time.monotonic() - start, shard_written_at=time.time())
         for c in convs:
             c.prepared = ()  # in the shard now: the tensors can go
-
-    def _file(self, j: int) -> shards.StreamedShard:
-        with self.lock:
-            if self.aborted:
-                raise RuntimeError(f"unit {self.unit_id} failed: its shard {self.names[j]} is not written")
-            if self.files[j] is None:
-                self.files[j] = shards.StreamedShard(self.sink.shard_uri(self.names[j]), self.layouts[j],
-                                                     metadata={"unit_id": self.unit_id})
-            return self.files[j]
 
     def _fail(self, error: BaseException) -> None:
         with self.lock:
@@ -357,11 +348,10 @@ class ShardPlan:
         return self.written
 
     def abort(self) -> None:
-        """The unit failed: remove the shard files not moved into place (a writer still at work fails to open its
-        file and records that instead)."""
+        """The unit failed: remove the shard files not moved into place (a connector still writing a sample fails
+        to open its file and logs that instead)."""
         with self.lock:
-            self.aborted = True
-            files = [f for name, f in zip(self.names, self.files) if f is not None and name not in self.written]
+            files = [f for name, f in zip(self.names, self.files) if name not in self.written]
         for f in files:
             f.abort()
 

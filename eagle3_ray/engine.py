@@ -7,16 +7,16 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
         -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
            or stream rows)
     A prefill unit's shards are planned when its requests are made (commit.ShardPlan) and, on a local run dir,
-    each sample goes into its shard file as soon as it is prepared, so only the last samples' writes, the shards'
-    moves into place and the part file follow the unit's last request.
+    vLLM's connector writes each sample into its shard file itself (eagle3_ray/connector.py), so only the last
+    samples' checks, the shards' moves into place and the part file follow the unit's last request.
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
 
 A unit is committed when its sink's record exists (`parts/{unit_id}.parquet` for shards); a retried unit whose
 record exists is not redone. Host memory: captured bytes not yet committed stay under generate.capture_buffer_bytes
-(ByteBudget), the per-request files live in RAM (/dev/shm) and are read once, so hidden states reach durable
-storage once, as shards.
+(ByteBudget), the per-request files live in RAM (/dev/shm) and are read once (a planned sample's file is only a
+note: its hidden states go straight into the shard), so hidden states reach durable storage once, as shards.
 """
 
 from __future__ import annotations

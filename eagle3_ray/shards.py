@@ -7,7 +7,8 @@ where T = number of captured tokens, L = number of captured layers (aux layers t
 
 A manifest row per sample names its shard file and key (MANIFEST_SCHEMA). Shards are written under a temporary name
 and moved into place (storage.atomic_local_file, storage.write_bytes_atomic), so a shard's final name only ever holds
-a complete file. A prefill unit's local shards are written sample by sample into their final offsets (StreamedShard).
+a complete file. A prefill unit's local shards are written sample by sample into their final offsets by vLLM's
+connector itself (StreamedShard, planned_capture), so those hidden states are written once, into the shard.
 """
 
 from __future__ import annotations
@@ -62,18 +63,20 @@ def dequantize_fp8(q: torch.Tensor, exp: torch.Tensor, dtype: torch.dtype = torc
 
 
 def encode_sample(key: str, hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
-    """Tensors to store for one sample; hidden_states: [T, L, H]."""
+    """Tensors to store for one sample; hidden_states: [T, L, H] on any device (no host sync). "float32" is exact
+    storage, for checks against a reference forward pass."""
+    if dtype == "float32":
+        return {f"{key}.hs": hidden_states.float().contiguous()}
     if dtype == "fp8":
         q, scale = quantize_fp8(hidden_states)
         return {f"{key}.hs": q.contiguous(), f"{key}.scale": scale.contiguous()}
     if dtype == "bfloat16":
         return {f"{key}.hs": hidden_states.to(torch.bfloat16).contiguous()}
-    raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
+    raise ValueError(f"hidden_states_dtype must be 'bfloat16', 'fp8' or 'float32', got {dtype!r}")
 
 
 def sample_layout(key: str, num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> list[tuple]:
-    """(name, torch dtype, shape) of each tensor encode_sample stores for a sample of `num_tokens` captured tokens
-    (`dtype` "float32" too: commit.encode's exact storage)."""
+    """(name, torch dtype, shape) of each tensor encode_sample stores for a sample of `num_tokens` captured tokens."""
     hs = (f"{key}.hs", [num_tokens, num_layers, hidden_size])
     if dtype == "fp8":
         return [(hs[0], torch.float8_e4m3fn, hs[1]), (f"{key}.scale", torch.int8, [num_tokens, num_layers])]
@@ -135,12 +138,13 @@ def read_safetensors(path: str, buffer: ReadBuffer | None = None) -> dict[str, t
 class StreamedShard:
     """A local shard whose tensors are all known by name, dtype and shape before any value is: the safetensors
     header and every tensor's byte range are fixed when it is made, so each sample is written into its final offsets
-    (os.pwrite, from any thread, each with its own descriptor) as soon as it is ready, instead of the whole shard
-    once the last sample is. `finish()` (after every tensor was written) has safetensors open the file, which checks
-    the header against the payload, and moves it into place; `abort()` removes it.
+    (write_at, from any thread or process: vLLM's connector writes a planned sample itself, see planned_capture) as
+    soon as it is captured, instead of the whole shard once the last sample is. `finish()` (after every tensor was
+    written) has safetensors open the file, which checks the header against the payload, and moves it into place;
+    `abort()` removes it.
 
-        shard = StreamedShard(uri, layout, metadata)   # layout: [(name, torch dtype, shape)], in file order
-        shard.write(tensors)                           # any subset of the layout, e.g. one sample's tensors
+        shard = StreamedShard(uri, layout, metadata)     # layout: [(name, torch dtype, shape)], in file order
+        write_at(shard.tmp, tensors, shard.ranges(tensors))   # any subset of the layout, e.g. one sample's tensors
         num_bytes = shard.finish()
     """
 
@@ -148,17 +152,19 @@ class StreamedShard:
                  metadata: dict[str, str] | None = None):
         names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        self.entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+        payload_ranges: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, dtype, shape in layout:
             end = offset + layout_bytes([(name, dtype, shape)])
             header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-            self.entries[name] = (dtype, list(shape), offset, end)
+            payload_ranges[name] = (offset, end)
             offset = end
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the payload starts 8-byte aligned, as safetensors writes it
-        self.payload = 8 + len(encoded)
-        self.size = self.payload + offset
+        payload = 8 + len(encoded)
+        # each tensor's [begin, end) in the file
+        self.file_ranges = {name: [payload + b, payload + e] for name, (b, e) in payload_ranges.items()}
+        self.size = payload + offset
         self.path = storage.local_path(uri)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"  # the temp name storage.atomic_local_file uses
@@ -169,20 +175,9 @@ class StreamedShard:
         finally:
             os.close(fd)
 
-    def write(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Write these tensors at their offsets; each must match its layout entry exactly."""
-        fd = os.open(self.tmp, os.O_WRONLY)  # no O_CREAT: after abort() a late writer fails instead of writing
-        try:
-            for name, t in tensors.items():
-                dtype, shape, begin, end = self.entries[name]
-                if t.dtype != dtype or list(t.shape) != shape:
-                    raise ValueError(f"{self.path}: {name} is {t.dtype} {list(t.shape)}, its layout {dtype} {shape}")
-                data = memoryview(t.detach().contiguous().view(torch.uint8).numpy())
-                written = 0
-                while written < len(data):
-                    written += os.pwrite(fd, data[written:], self.payload + begin + written)
-        finally:
-            os.close(fd)
+    def ranges(self, names) -> dict[str, list[int]]:
+        """[begin, end) file offsets of these tensors."""
+        return {name: self.file_ranges[name] for name in names}
 
     def finish(self) -> int:
         with safe_open(self.tmp, framework="pt"):
@@ -193,6 +188,43 @@ class StreamedShard:
     def abort(self) -> None:
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
+
+
+def write_at(path: str, tensors: dict[str, torch.Tensor], ranges: dict[str, list[int]]) -> None:
+    """Each tensor's bytes at its [begin, end) offsets of an existing file (os.pwrite, its own descriptor). The file
+    is not created: after StreamedShard.abort() a late writer fails instead of leaving a partial shard. A tensor
+    whose bytes do not fill its range exactly (another T than planned) raises, naming the file and the tensor."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for name, t in tensors.items():
+            begin, end = ranges[name]
+            data = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            if len(data) != end - begin:
+                raise ValueError(f"{path}: {name} {t.dtype} {list(t.shape)} is {len(data)} bytes, its place in the "
+                                 f"shard {end - begin}")
+            written = 0
+            while written < len(data):
+                written += os.pwrite(fd, data[written:], begin + written)
+    finally:
+        os.close(fd)
+
+
+def planned_capture(hidden_states: torch.Tensor, target: dict) -> dict[str, torch.Tensor]:
+    """What vLLM's connector (eagle3_ray/connector.py) makes of a captured sample [T, L, H] that has a place in a
+    planned shard, on the device the capture is on: the tensors to store (encode_sample, named as in the shard) and
+    its `norms` and `nonfinite` (capture_norms). `target` (commit.ShardPlan, through the request's
+    kv_transfer_params["shard"]): {"file": the shard's temp file, "key", "dtype", "ranges": write_at's ranges}."""
+    norms, nonfinite = capture_norms(hidden_states)
+    return {**encode_sample(target["key"], hidden_states, target["dtype"]), "norms": norms, "nonfinite": nonfinite}
+
+
+def write_planned_capture(tensors: dict[str, torch.Tensor], token_ids: torch.Tensor, target: dict,
+                          note_path: str) -> None:
+    """The connector's write of a planned_capture (host tensors): the stored tensors into their place in the shard,
+    then a note of a few KB at the request's capture path (`token_ids` [T], `norms` [T, L], `nonfinite` [L]) for
+    the engine actor's writer, which checks it instead of reading the capture back (commit.CaptureWriter)."""
+    write_at(target["file"], {name: tensors[name] for name in target["ranges"]}, target["ranges"])
+    save_file({"token_ids": token_ids, "norms": tensors["norms"], "nonfinite": tensors["nonfinite"]}, note_path)
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -276,31 +308,45 @@ def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) ->
     return hs.to(dtype)
 
 
-NORM_CHUNK_VALUES = 1 << 18  # capture_stats' rows at a time, in values (1 MB of fp32)
+NORM_CHUNK_VALUES = 1 << 18  # capture_norms' rows at a time on the CPU, in values (1 MB of fp32)
 
 
-def capture_stats(hidden_states: torch.Tensor) -> dict[str, list]:
-    """Per-layer sanity numbers of one captured sample, hidden_states [T, L, H]:
-    `zero_rows` [L] tokens whose whole row is 0, `nonfinite` [L] NaN/inf values, and over each layer's token rows
-    `norm_sum`, `norm_min`, `norm_max` [L] of the L2 norm (non-finite rows left out). It runs in the writer over
-    every captured byte, so it makes one pass: the fp32 row norm is 0 exactly for a zero row and non-finite exactly
-    for a row holding NaN/inf (hidden states are far below fp32's overflow of a squared bf16); the values are
-    counted only in the rare rows that are. The norms go through the sample a few token rows at a time (about 1 MB
-    of fp32 each): the same values as one call over the whole sample, in half the time (its fp32 copy stays in
-    cache)."""
+def capture_norms(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What capture_stats needs of a captured sample, hidden_states [T, L, H], in one pass: the fp32 L2 norm of
+    every token row [T, L] and the NaN/inf values per layer [L] (int64). The row norm is 0 exactly for a zero row and
+    non-finite exactly for a row holding NaN/inf (hidden states are far below fp32's overflow of a squared bf16), so
+    on the CPU the values are counted only in the rare rows that are, and the norms go through the sample a few token
+    rows at a time (about 1 MB of fp32 each: the same values as one call, in half the time, its fp32 copy staying in
+    cache). On a GPU (vLLM's connector, before its copy to the host) both are whole-tensor kernels, with no sync."""
+    if hidden_states.is_cuda:
+        norms = torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
+        return norms, (~torch.isfinite(hidden_states)).sum(dim=(0, 2))
     norms = torch.empty(hidden_states.shape[:2], dtype=torch.float32)  # shape: [T, L]
     rows = max(1, NORM_CHUNK_VALUES // max(1, math.prod(hidden_states.shape[1:])))
     for start in range(0, hidden_states.shape[0], rows):
         torch.linalg.vector_norm(hidden_states[start:start + rows], dim=-1, dtype=torch.float32,
                                  out=norms[start:start + rows])
-    rows_finite = torch.isfinite(norms)  # shape: [T, L]
-    nonfinite = [0] * norms.shape[1]
+    nonfinite = torch.zeros(norms.shape[1], dtype=torch.int64)
+    rows_finite = torch.isfinite(norms)
     if not bool(rows_finite.all()):
-        nonfinite = (~torch.isfinite(hidden_states[~rows_finite.all(dim=1)])).sum(dim=(0, 2)).tolist()
-    return {"zero_rows": (norms == 0).sum(dim=0).tolist(), "nonfinite": nonfinite,
+        nonfinite = (~torch.isfinite(hidden_states[~rows_finite.all(dim=1)])).sum(dim=(0, 2))
+    return norms, nonfinite
+
+
+def stats_from_norms(norms: torch.Tensor, nonfinite: torch.Tensor) -> dict[str, list]:
+    """Per-layer sanity numbers of one captured sample from its capture_norms: `zero_rows` [L] tokens whose whole row
+    is 0, `nonfinite` [L] NaN/inf values, and over each layer's token rows `norm_sum`, `norm_min`, `norm_max` [L] of
+    the L2 norm (non-finite rows left out)."""
+    rows_finite = torch.isfinite(norms)  # shape: [T, L]
+    return {"zero_rows": (norms == 0).sum(dim=0).tolist(), "nonfinite": nonfinite.tolist(),
             "norm_sum": torch.where(rows_finite, norms, 0.0).double().sum(dim=0).tolist(),
             "norm_min": torch.where(rows_finite, norms, torch.inf).amin(dim=0).tolist(),
             "norm_max": torch.where(rows_finite, norms, -torch.inf).amax(dim=0).tolist()}
+
+
+def capture_stats(hidden_states: torch.Tensor) -> dict[str, list]:
+    """stats_from_norms of a sample's hidden states [T, L, H]."""
+    return stats_from_norms(*capture_norms(hidden_states))
 
 
 def bad_row_counts(hs: torch.Tensor) -> dict[str, list[int]]:

@@ -336,25 +336,35 @@ def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
-def test_a_planned_shard_layout_is_what_the_encoded_sample_stores_and_a_streamed_shard_reads_back(tmp_path, dtype):
+def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shard_reads_back(tmp_path, dtype):
     """shards.sample_layout (a prefill unit's shards are planned from it before any capture) lists exactly the
-    tensors commit.encode stores; a StreamedShard written sample by sample, out of order, is a safetensors file that
-    holds them, read back by safetensors and by the training reader; a tensor off its layout is refused."""
+    tensors shards.encode_sample stores; a StreamedShard written sample by sample through the connector's own
+    functions (planned_capture, write_planned_capture), out of order, is a safetensors file that holds them, read back
+    by safetensors and by the training reader, and each sample's note holds its tokens and the stats of its capture;
+    a tensor off its place is refused, and a writer late for an aborted shard writes nothing anywhere."""
     from eagle3_ray import data
-    from eagle3_ray.commit import encode
 
     samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
-    encoded = {k: encode(k, hs, dtype) for k, hs in samples.items()}
+    samples["s2"][1] = 0.0  # a zero row shows in its note's stats
+    encoded = {k: shards.encode_sample(k, hs, dtype) for k, hs in samples.items()}
     layouts = {k: shards.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
     for k, tensors in encoded.items():
         assert [(n, t.dtype, list(t.shape)) for n, t in tensors.items()] == layouts[k]
         assert shards.tensor_bytes(tensors) == shards.layout_bytes(layouts[k])
     uri = str(tmp_path / "shards" / "u-0000.safetensors")
     shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
-    with pytest.raises(ValueError, match="its layout"):
-        shard.write({"s1.hs": encoded["s0"]["s0.hs"]})  # s0's tensor where s1's goes: refused
-    for k in ["s2", "s0", "s1"]:  # threads finish in any order
-        shard.write(encoded[k])
+    with pytest.raises(ValueError, match="its place in the shard"):
+        shards.write_at(shard.tmp, {"s1.hs": encoded["s0"]["s0.hs"]}, shard.ranges(["s1.hs"]))  # s0's, at s1's
+    for k in ["s2", "s0", "s1"]:  # the connector's threads finish in any order
+        target = {"file": shard.tmp, "key": k, "dtype": dtype, "ranges": shard.ranges(encoded[k])}
+        note = str(tmp_path / f"{k}.note")
+        shards.write_planned_capture(shards.planned_capture(samples[k], target), torch.arange(len(samples[k])),
+                                     target, note)
+        got = shards.read_safetensors(note)
+        assert torch.equal(got["token_ids"], torch.arange(len(samples[k])))
+        stats = shards.stats_from_norms(got["norms"], got["nonfinite"])
+        assert stats == shards.capture_stats(samples[k])
+        assert stats["zero_rows"] == ([1, 1, 1] if k == "s2" else [0, 0, 0])
     assert not Path(uri).exists()  # only a finished shard has its final name
     assert shard.finish() == Path(uri).stat().st_size and not list(tmp_path.glob("shards/*.tmp-*"))
     with safe_open(uri, framework="pt") as f:
@@ -371,7 +381,8 @@ def test_a_planned_shard_layout_is_what_the_encoded_sample_stores_and_a_streamed
     aborted.abort()
     assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
     with pytest.raises(FileNotFoundError):
-        aborted.write(encoded["s1"])  # a writer late for an aborted shard writes nothing anywhere
+        shards.write_at(aborted.tmp, encoded["s1"], {"s1.hs": [0, 96]})
+    assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
 
 
 def test_a_capture_file_read_into_a_reused_buffer_holds_what_the_connector_wrote(tmp_path):
@@ -535,6 +546,7 @@ class _Conv:
                        "_num_captured": num_tokens}
         self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
         self.shard, self.timing = None, {}
+        self.transfer_params = {"hidden_states_path": capture_path, "include_output_tokens": False}
 
     def complete_record(self) -> None:
         pass  # the record holds all it commits with
@@ -542,12 +554,11 @@ class _Conv:
 
 @pytest.mark.parametrize("bad", [False, True])
 def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no_partial_shard(tmp_path, bad):
-    """A prefill unit through the actor's real writer threads, on capture files as vLLM's connector writes them:
-    each planned shard is streamed as its samples are prepared, holds exactly those samples, and its samples' rows
-    name it; a sample failing the capture check fails the unit's commit, and no temp or partial shard remains."""
+    """A prefill unit through the actor's real writer threads, its samples written into their planned shards as
+    vLLM's connector writes them (each request carries its place): each planned shard exists before any capture,
+    holds exactly its samples once they are checked, and its samples' rows name it; a sample failing the capture
+    check (seen in the connector's note) fails the unit's commit, and no temp or partial shard remains."""
     import asyncio
-
-    from safetensors.torch import save_file
 
     from eagle3_ray import commit
 
@@ -557,14 +568,18 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
     if bad:
         hidden["s3"][:, 1] = float("nan")
     convs = []
-    for k, hs in hidden.items():
-        path = str(tmp_path / "scratch" / f"{k}.safetensors")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_file({"hidden_states": hs, "token_ids": torch.arange(6)}, path)
-        Path(path + ".lock").touch()  # the connector's lock file, released: the capture is complete
-        convs.append(_Conv(k, path, 6))
+    for k in hidden:
+        convs.append(_Conv(k, str(tmp_path / "scratch" / f"{k}.safetensors"), 6))
     plan = commit.ShardPlan(sink, "u", convs, hidden_size=16)
     assert [len(g) for g in plan.groups] == [2, 2, 1]
+    assert len(list((tmp_path / "gen" / "shards").glob("u-000?.safetensors.tmp-*"))) == 3  # before any capture
+    for c in convs:  # what vLLM's connector does with each request's target (eagle3_ray/connector.py)
+        target = c.transfer_params["shard"]
+        assert target["key"] == c.record["id"] and target["dtype"] == "bfloat16"
+        os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
+        shards.write_planned_capture(shards.planned_capture(hidden[target["key"]], target), torch.arange(6), target,
+                                     c.capture_path)
+        Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
     writer = commit.CaptureWriter("bfloat16", num_threads=3)
 
     async def run_unit():
