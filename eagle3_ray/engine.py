@@ -111,11 +111,30 @@ def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int]) -> str:
 
 
 def prepare_engine_env(cfg: Config) -> None:
-    """Environment the engine's own processes inherit; call right before `vllm.LLM`. A binding set by the user (or
-    the job's runtime_env) is kept."""
+    """Environment the engine's own processes inherit; call right before `vllm.LLM`. A binding or thread count set
+    by the user (or the job's runtime_env) is kept.
+
+    Ray sets OMP_NUM_THREADS to an actor's CPU count when the job did not set it, and vLLM takes any OMP_NUM_THREADS
+    as the user's choice: its EngineCore then keeps that many torch threads (their spin-waits take the cores its
+    workers compute on) instead of the single thread it picks for serving. So Ray's own default is removed here and
+    vLLM sets its processes' threads itself, as it does outside Ray."""
     tp = cfg.generate.tensor_parallel_size
     if tp > 1 and _cpu_platform() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
+    if _omp_threads_from_ray():
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def _omp_threads_from_ray() -> bool:
+    """Whether OMP_NUM_THREADS is what Ray gives an actor whose job set none (its CPU count, at least 1)."""
+    import ray
+
+    if "OMP_NUM_THREADS" not in os.environ or not ray.is_initialized():
+        return False
+    ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE or "OMP_NUM_THREADS" in (ctx.runtime_env.get("env_vars") or {}):
+        return False
+    return os.environ["OMP_NUM_THREADS"] == str(max(int(ctx.get_assigned_resources().get("CPU", 1)), 1))
 
 
 def scratch_dir(cfg: Config, prefix: str) -> str:

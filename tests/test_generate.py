@@ -194,6 +194,29 @@ def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch)
     assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
 
 
+def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tmp_path, ray_session):
+    """Ray gives an actor OMP_NUM_THREADS = its CPUs when the job set none; vLLM reads any OMP_NUM_THREADS as the
+    user's choice and then keeps that many torch threads in its EngineCore (their spin-waits slowed the CPU engine's
+    decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value."""
+    from eagle3_ray import engine
+
+    cfg = make_cfg(tmp_path, "unused")
+
+    @ray_session.remote(num_cpus=2)
+    class Probe:
+        def env(self) -> tuple[str | None, str | None]:
+            before = os.environ.get("OMP_NUM_THREADS")
+            engine.prepare_engine_env(cfg)
+            return before, os.environ.get("OMP_NUM_THREADS")
+
+    ray_default = Probe.remote()
+    from_job = Probe.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}).remote()
+    assert ray_session.get(ray_default.env.remote()) == ("2", None)
+    assert ray_session.get(from_job.env.remote()) == ("2", "2")
+    for actor in (ray_default, from_job):
+        ray_session.kill(actor)
+
+
 def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cpus():
     from eagle3_ray.engine import cpu_thread_binding
 
