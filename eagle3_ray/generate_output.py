@@ -49,7 +49,8 @@ def committed_ids(out: str) -> set[str]:
 
 
 def clean_orphans(out: str) -> None:
-    """Delete temporary files and shards that no part file names (left by a run killed mid-unit)."""
+    """Delete temporary files and shards that no part file names: left by a run killed mid-unit (at the next run's
+    start), or by an engine actor killed mid-unit whose unit another incarnation committed (at the stage's end)."""
     parts = _parts(out)
     referenced = set() if parts is None else {s for s in parts["shard"].to_pylist() if s}
     removed = 0
@@ -98,7 +99,7 @@ def finalise(cfg: Config, out: str, ingested: pa.Table, plan_rejects: list[dict]
     if ok is not None:
         storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), ok.select(CONVERSATION_COLUMNS))
     storage.write_parquet_atomic(storage.join(out, "rejects.parquet"), rejects)
-    storage.delete(storage.join(out, "_scratch"))  # the engines' per-request files, all read by now
+    clean_orphans(out)  # every unit is committed: what no part names (a killed engine's shard temp files) goes
     return {**_summary(out, ingested.num_rows, manifest, rejects, processed, wall_s), "capture": contract}
 
 
