@@ -137,7 +137,8 @@ class GenerateConfig:
     decodes the others, and commit units side by side (shard writes, part files). Their torch work and file writes
     release the GIL; the replica's CPUs (`num_cpus_per_replica`) are what they share with vLLM's front end."""
     scratch_dir: str = field(default="auto", metadata=NOT_IN_VERSION)
-    """Where vLLM's connector writes per-request captures until the writer reads them: `auto` is /dev/shm (RAM) when
+    """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
+    planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
     max_zero_row_share: float = 0.5
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample."""
