@@ -1,7 +1,9 @@
 """What the generate stage's writer threads cost per captured byte on this machine, by step and thread count:
 vLLM's connector writing a request's file into the scratch dir, then what commit.CaptureWriter does with it (read it,
 shards.capture_stats, write it into a shard). It sizes `generate.writer_threads` and says which step bounds
-capture_only on a machine (the disk, the stats pass, or the scratch copy).
+one-pass generation on a machine (the disk, the stats pass, or the scratch copy). A prefill unit's samples
+(capture_only, two_pass's capture pass) skip this path on a local run dir: vLLM's connector writes them into their
+shards itself.
 
     .venv/bin/python bench/bench_writer.py --out-dir /tmp/writer_bench --threads 1,2
     python3 bench/bench_writer.py --hidden 4096 --layers 4 --threads 1,4,8,16 --out-dir /tmp/writer_bench   # 8B-shaped
@@ -16,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,14 +48,11 @@ def main() -> None:
     def connector(i: int) -> None:
         save_file({"hidden_states": hs, "token_ids": tokens}, f"{scratch}/{i}.safetensors")
 
-    local = threading.local()
-
     def writer_thread() -> None:  # as commit.CaptureWriter's threads start
         torch.set_num_threads(1)
-        local.buffer = shards.ReadBuffer()
 
-    def read(i: int) -> torch.Tensor:  # as the stage reads a sample it streams into its shard (chat.load_capture)
-        return shards.read_safetensors(f"{scratch}/{i}.safetensors", local.buffer)["hidden_states"]
+    def read(i: int) -> torch.Tensor:  # as the stage reads a generate-mode capture (chat.load_capture)
+        return shards.read_safetensors(f"{scratch}/{i}.safetensors")["hidden_states"]
 
     def stats(i: int) -> None:
         shards.capture_stats(read(i))

@@ -199,18 +199,17 @@ class Conversation:
         return False
 
 
-def load_capture(record: dict[str, Any], path: str, buffer: Any = None) -> dict[str, torch.Tensor]:
+def load_capture(record: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
     """A finished request's capture file, its tokens checked against the record's: `hidden_states`
     [T, num_layers, H] and `token_ids` [T], or, for a sample vLLM's connector wrote into its planned shard, the
     note it left (`token_ids`, `norms` [T, num_layers], `nonfinite` [num_layers]: shards.write_planned_capture).
-    The file is deleted once read. The lock is free by now (wait_for_capture), so this only reads, into `buffer`
-    (shards.ReadBuffer: the tensors are views of it) or fresh memory."""
+    The file is deleted once read. The lock is free by now (wait_for_capture), so this only reads."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
 
     if not os.path.exists(path):
         raise RuntimeError(f"generate: sample {record['id']}: vLLM's connector wrote no capture at {path} (the engine "
                            "log says why: 'Hidden-states write failed')")
-    data = shards.read_safetensors(path, buffer)
+    data = shards.read_safetensors(path)
     cleanup_hidden_states(path)
     expected = torch.tensor(record["input_ids"][: record.pop("_num_captured")])
     assert torch.equal(data["token_ids"].long(), expected), f"{record['id']}: captured tokens differ from input_ids"

@@ -87,7 +87,6 @@ class CaptureWriter:
         self.dtype = dtype
         self.jobs: queue.PriorityQueue = queue.PriorityQueue()
         self.order = itertools.count()  # FIFO within a kind
-        self.local = threading.local()  # each writer thread's shards.ReadBuffer
         for i in range(num_threads):
             threading.Thread(target=self._run, name=f"capture-writer-{i}", daemon=True).start()
 
@@ -120,7 +119,6 @@ class CaptureWriter:
         # team and the size later threads start with; the actor runs no other heavy torch work: vLLM's engine is a
         # process of its own, started before the writers.)
         torch.set_num_threads(1)
-        self.local.buffer = shards.ReadBuffer()
         while True:
             _, _, kind, job = self.jobs.get()
             if kind == "discard":
@@ -151,12 +149,10 @@ class CaptureWriter:
                 chat.wait_for_capture(conv.capture_path)
                 waited = time.monotonic()
                 conv.timing["captured_at"] = time.time()
-                # A sample in a local planned shard was written there by vLLM's connector, which left a note of its
-                # norms: read into the thread's buffer, used at once. Any other capture is kept until its unit
-                # commits and gets memory of its own.
-                streamed = conv.shard is not None and conv.shard[0].streamed
-                data = chat.load_capture(r, conv.capture_path, self.local.buffer if streamed else None)
-                if streamed:
+                # A sample of a local planned shard is there already, written by vLLM's connector, which left a
+                # note of its norms; any other capture is read whole, and kept until its unit commits.
+                data = chat.load_capture(r, conv.capture_path)
+                if conv.shard is not None and conv.shard[0].streamed:
                     r["num_tokens"] = data["norms"].shape[0]
                     conv.prepared = (shards.stats_from_norms(data["norms"], data["nonfinite"]), None)
                 else:
@@ -292,14 +288,13 @@ class ShardPlan:
         self.left = [len(g) for g in groups]  # samples of each shard not yet prepared
         self.written: dict[str, int] = {}
         self.error: BaseException | None = None
-        for j, group in enumerate(self.groups):
-            for conv in group:
-                conv.shard = (self, j)
+        for j, group in enumerate(groups):
+            for i in group:
+                convs[i].shard = (self, j)
                 if self.streamed:
-                    key = conv.record["id"]
-                    names = [name for name, _, _ in shards.sample_layout(key, 0, 0, 0, dtype)]
-                    conv.transfer_params["shard"] = {"file": self.files[j].tmp, "key": key, "dtype": dtype,
-                                                     "ranges": self.files[j].ranges(names)}
+                    names = [name for name, _, _ in layouts[i]]
+                    convs[i].transfer_params["shard"] = {"file": self.files[j].tmp, "key": convs[i].record["id"],
+                                                         "dtype": dtype, "ranges": self.files[j].ranges(names)}
 
     def prepared(self, j: int, conv: Any) -> None:
         """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock): in a

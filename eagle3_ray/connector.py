@@ -29,7 +29,6 @@ from functools import partial
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -109,19 +108,20 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
 
-        def write() -> None:
+        def write_planned() -> None:
             try:
                 done.synchronize()
-                if target is None:
-                    save_file({"hidden_states": rows, "token_ids": token_ids}, pending.filename)
-                else:
-                    tensors = planned if planned is not None else shards.planned_capture(rows, target)
-                    shards.write_planned_capture(tensors, token_ids, target, pending.filename)
+                tensors = planned if planned is not None else shards.planned_capture(rows, target)
+                shards.write_planned_capture(tensors, token_ids, target, pending.filename)
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases LOCK_EX
 
-        future = self._executor.submit(write)
+        if target is None:  # the parent's write: the whole capture as one file
+            tensors = {"hidden_states": rows, "token_ids": token_ids}
+            future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
+        else:
+            future = self._executor.submit(write_planned)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

@@ -99,28 +99,13 @@ def read_header(read_at: Callable[[int, int], bytes]) -> tuple[dict, int, int]:
     return header, 8 + header_len, max((entry["data_offsets"][1] for entry in header.values()), default=0)
 
 
-class ReadBuffer:
-    """A writer thread's memory for reading capture files, reused from one file to the next (read_safetensors): its
-    pages stay mapped, so a read is one copy. Fresh memory for every 10 MB capture (or safetensors' lazily mapped
-    load) adds page faults, which threads of one process take in turn: the reads stopped scaling past a few
-    threads. What a read into it returns is valid until the buffer's next read."""
-
-    def __init__(self) -> None:
-        self.data = torch.empty(0, dtype=torch.uint8)
-
-    def take(self, num_bytes: int) -> torch.Tensor:
-        if self.data.numel() < num_bytes:
-            self.data = torch.empty(num_bytes, dtype=torch.uint8)
-        return self.data[:num_bytes]
-
-
-def read_safetensors(path: str, buffer: ReadBuffer | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a local safetensors file, its payload read with `readinto` into `buffer` (the tensors are
-    views of it, valid until its next read) or into fresh memory."""
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a local safetensors file, its payload read with one `readinto` into memory of its own (not
+    mapped lazily as safetensors' load_file does, so a pass over the tensors takes no page faults)."""
     with open(path, "rb", buffering=0) as f:
         header, payload, size = read_header(lambda num_bytes, offset: os.pread(f.fileno(), num_bytes, offset))
         f.seek(payload)
-        data = buffer.take(size) if buffer is not None else torch.empty(size, dtype=torch.uint8)
+        data = torch.empty(size, dtype=torch.uint8)
         view, got = memoryview(data.numpy()), 0
         while got < size:
             n = f.readinto(view[got:])
