@@ -262,7 +262,8 @@ def shard_names(unit_id: str, num_shards: int) -> list[str]:
 
 class ShardPlan:
     """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
-    made (`_num_captured`), so the samples are grouped by their stored bytes up front, in the unit's order, and each
+    made (`_num_captured`), so the samples are grouped by their stored bytes up front, round-robin over the unit's
+    shards (shards.interleaved_groups: samples whose requests finish together go to different files), and each
     shard's layout (shards.sample_layout of its samples) is known. On a local run dir each shard is a
     shards.StreamedShard, made here, before the unit's requests go out, and each sample's request carries its place
     in it (`kv_transfer_params["shard"]`): vLLM's connector writes the sample's stored tensors there itself
@@ -277,7 +278,8 @@ class ShardPlan:
         dtype = sink.cfg.generate.hidden_states_dtype
         layouts = [shards.sample_layout(c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size,
                                         dtype) for c in convs]
-        groups = shards.greedy_groups([shards.layout_bytes(x) for x in layouts], sink.cfg.generate.shard_max_bytes)
+        groups = shards.interleaved_groups([shards.layout_bytes(x) for x in layouts],
+                                           sink.cfg.generate.shard_max_bytes)
         self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.groups = [[convs[i] for i in g] for g in groups]
         self.layouts = [[entry for i in g for entry in layouts[i]] for g in groups]

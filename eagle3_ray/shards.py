@@ -253,6 +253,19 @@ def greedy_groups(sizes: list[int], budget: int) -> list[list[int]]:
     return groups + ([last] if (last := packer.flush()) else [])
 
 
+def interleaved_groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """As many groups as greedy_groups makes (more when needed to keep each within `budget`), filled round-robin:
+    item i goes to group i % k. Consecutive items land in different groups: samples that finish together (requests
+    finish roughly in the order they were sent) are written into different shard files at once, where writes into
+    one file wait on each other (the kernel serializes buffered writes to one file)."""
+    k = len(greedy_groups(sizes, budget))
+    while True:
+        groups = [list(range(j, len(sizes), k)) for j in range(k)]
+        if all(len(g) == 1 or sum(sizes[i] for i in g) <= budget for g in groups):
+            return groups
+        k += 1
+
+
 def write_shard(uri: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
     """Write one shard atomically; returns its size in bytes. A local shard is written by safetensors straight into
     its temp file (no serialized copy of the whole shard in memory); an object-store shard is uploaded whole."""

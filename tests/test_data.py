@@ -153,6 +153,19 @@ def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_it
     assert greedy_groups([7, 7], budget=7) == [[0], [1]] and greedy_groups([], budget=7) == []
 
 
+def test_interleaved_groups_spread_neighbours_over_the_shards_and_keep_each_within_the_budget():
+    from eagle3_ray.shards import interleaved_groups
+
+    assert interleaved_groups([2] * 7, budget=6) == [[0, 3, 6], [1, 4], [2, 5]]  # as many groups as greedy packing
+    # round-robin over greedy's 3 groups would put 0 and 3 together (8 > 5): one more group keeps each within it
+    assert interleaved_groups([4, 1, 4, 4], budget=5) == [[0], [1], [2], [3]]
+    for sizes in ([5, 1, 1, 5, 1, 1, 5], [1] * 10, [8, 8]):
+        groups = interleaved_groups(sizes, budget=7)
+        assert sorted(i for g in groups for i in g) == list(range(len(sizes)))
+        assert all(len(g) == 1 or sum(sizes[i] for i in g) <= 7 for g in groups)
+    assert interleaved_groups([], budget=7) == []
+
+
 def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
     """The generate output's samples re-stored as fp8 shards (one file per source shard)."""
     refs, _ = _refs(gen_dir)
