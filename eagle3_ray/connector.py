@@ -8,7 +8,8 @@ request (`pin_memory=True requires a CUDA ... backend`). This subclass keeps eve
 - On the CPU the rows are copied synchronously (no pinned memory, no stream).
 - A request whose kv_transfer_params carry `shard` (a prefill unit's sample with a place in a planned local shard,
   commit.ShardPlan) is written straight into that place: the rows are encoded (bf16/fp8) and their row norms taken
-  on the device they are on (shards.planned_capture; on GPU on the copy stream, before the copy to the host), the
+  on the device they are on, once per engine step for all the step's such requests (shards.planned_rows; on GPU
+  on the copy stream, before the copy to the host, with nothing on the engine's thread waiting for the GPU), the
   stored bytes go into the shard's temp file at their offsets, and the request's capture path gets a note of a few
   KB (token ids, norms) instead of the hidden states (shards.write_planned_capture). The hidden states are written
   once, into the shard, and the engine actor reads only the note.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -56,6 +57,8 @@ class ShardSave(PendingSave):
 
 
 class CaptureConnector(ExampleHiddenStatesConnector):
+    _saved_by_step: frozenset[str] | set[str] = frozenset()  # req ids of this step's planned saves (get_finished)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side: the parent's pending save, carrying the request's `shard` target to the worker."""
         delay, params = super().request_finished(request, block_ids)
@@ -65,59 +68,90 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             self._pending_saves[request.request_id] = ShardSave(**vars(pending), shard=target)
         return delay, params
 
-    def _submit_async_write(self, pending: PendingSave) -> None:
-        if not self._is_tp_rank_zero:
-            return
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker side, once per engine step: the step's planned saves go out together (_save_planned), the others
+        one by one through the parent's loop, which then polls the copies of both."""
+        planned: list[ShardSave] = []
+        if self.has_connector_metadata():
+            metadata = self._get_connector_metadata()
+            planned = [p for p in getattr(metadata, "pending_saves", []) if getattr(p, "shard", None) is not None]
+        self._saved_by_step = {p.req_id for p in planned}
+        if planned and self._is_tp_rank_zero:
+            for dtype in {p.shard["dtype"] for p in planned}:
+                self._save_planned([p for p in planned if p.shard["dtype"] == dtype], dtype)
+        return super().get_finished(finished_req_ids)
+
+    def _save_planned(self, saves: list[ShardSave], dtype: str) -> None:
+        """One gather from the hidden-state cache for all of a step's planned saves (their token rows one after the
+        other). On a GPU the encoding, row norms and non-finite counts run once for all of them too, on the copy
+        stream, which waits for the step's forward pass on the device, not on the host: the slot mapping goes up
+        from pinned memory, so nothing here waits for the GPU and the engine's thread goes on at once (a pageable
+        upload would wait for the copy stream to drain). Each sample's stored rows come down into a pinned buffer
+        of its own (freed when its write is done), the step's norms into one."""
         assert self._kv_cache is not None
-        target = getattr(pending, "shard", None)
-        if self._kv_cache.is_cuda and target is None:
-            super()._submit_async_write(pending)
-            return
-        block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slot_mapping = (block_ids.reshape(-1, 1) * self._block_size + offsets.reshape(1, -1)).flatten()
-        num_tokens = pending.token_ids.shape[0]
+        spans, start = [], 0
+        for p in saves:
+            spans.append((start, start + p.token_ids.shape[0]))
+            start = spans[-1][1]
+        slots = torch.cat([self._slot_mapping(p.block_ids)[:p.token_ids.shape[0]] for p in saves])
         if not self._kv_cache.is_cuda:
             # Advanced indexing copies, so the rows survive the blocks being freed right after this call; the
-            # encoding and norms run on the writer thread, off the engine's.
-            rows = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens).contiguous()
-            self._submit(pending, _DoneEvent(), rows=rows)
+            # encoding and norms run on the writer threads, off the engine's.
+            rows = extract_from_kv_cache(self._kv_cache, slots, start)
+            for p, (a, b) in zip(saves, spans):
+                self._submit(p, _DoneEvent(), planned=partial(shards.planned_capture, rows[a:b], p.shard))
             return
         copy_stream = self._get_copy_stream()
         ready = torch.cuda.Event()
         ready.record()  # the copy stream sees every write of the forward passes so far
         copy_stream.wait_event(ready)
         with torch.cuda.stream(copy_stream):
-            slots = slot_mapping.to(device=self._kv_cache.device, non_blocking=True)
-            rows = extract_from_kv_cache(self._kv_cache, slots, num_tokens)  # shape: [T, L, H] on the GPU
-            host = {}
-            for name, t in shards.planned_capture(rows, target).items():
-                host[name] = torch.empty_like(t, device="cpu", pin_memory=True)
-                host[name].copy_(t, non_blocking=True)
+            slots = slots.pin_memory().to(device=self._kv_cache.device, non_blocking=True)
+            step = shards.planned_rows(extract_from_kv_cache(self._kv_cache, slots, start), dtype)
+            norms = {name: pinned_copy(step.pop(name)) for name in ("norms", "nonfinite")}
+            host = [{**{name: pinned_copy(t[a:b]) for name, t in step.items()},
+                     **{name: t[a:b] for name, t in norms.items()}} for a, b in spans]
         copy_done = torch.cuda.Event()
         copy_done.record(copy_stream)
-        self._submit(pending, copy_done, planned=host)
+        for p, rows in zip(saves, host):
+            self._submit(p, copy_done, planned=partial(shards.planned_sample, rows, p.shard["key"]))
 
-    def _submit(self, pending: PendingSave, done: Any, rows: torch.Tensor | None = None,
-                planned: dict[str, torch.Tensor] | None = None) -> None:
-        """Hand the capture to the parent's writer pool: `rows` [T, L, H] on the host (CPU engines), or the
-        planned_capture of a planned sample copied to the host (GPU). The job waits for `done`, writes, and releases
-        the capture's lock, which wakes the engine actor's reader."""
+    def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
+        """The cache slots of a request's blocks, in token order (on the host)."""
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        return (blocks.reshape(-1, 1) * self._block_size + torch.arange(self._block_size).reshape(1, -1)).flatten()
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        """The parent's save of one request without a planned shard (the parent's own on a GPU, a synchronous copy
+        on the CPU); a planned save of this step is out already (get_finished)."""
+        if not self._is_tp_rank_zero or pending.req_id in self._saved_by_step:
+            return
+        assert self._kv_cache is not None
+        if self._kv_cache.is_cuda:
+            super()._submit_async_write(pending)
+            return
+        num_tokens = pending.token_ids.shape[0]
+        rows = extract_from_kv_cache(self._kv_cache, self._slot_mapping(pending.block_ids), num_tokens)
+        self._submit(pending, _DoneEvent(), rows=rows)
+
+    def _submit(self, pending: PendingSave, done: Any, *, rows: torch.Tensor | None = None,
+                planned: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+        """Hand a capture to the parent's writer pool: `rows` [T, L, H] on the host for the parent's file (CPU
+        engines), or `planned` making a planned sample's planned_capture on the host. The job waits for `done`,
+        writes, and releases the capture's lock, which wakes the engine actor's reader."""
         token_ids = pending.token_ids.clone()
-        target = getattr(pending, "shard", None)
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
 
         def write_planned() -> None:
             try:
                 done.synchronize()
-                tensors = planned if planned is not None else shards.planned_capture(rows, target)
-                shards.write_planned_capture(tensors, token_ids, target, pending.filename)
+                shards.write_planned_capture(planned(), token_ids, pending.shard, pending.filename)
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases LOCK_EX
 
-        if target is None:  # the parent's write: the whole capture as one file
+        if planned is None:  # the parent's write: the whole capture as one file
             tensors = {"hidden_states": rows, "token_ids": token_ids}
             future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
         else:
@@ -125,3 +159,10 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor into fresh pinned host memory, on the current stream, not waited for."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -199,8 +199,23 @@ def planned_capture(hidden_states: torch.Tensor, target: dict) -> dict[str, torc
     planned shard, on the device the capture is on: the tensors to store (encode_sample, named as in the shard) and
     its `norms` and `nonfinite` (capture_norms). `target` (commit.ShardPlan, through the request's
     kv_transfer_params["shard"]): {"file": the shard's temp file, "key", "dtype", "ranges": write_at's ranges}."""
-    norms, nonfinite = capture_norms(hidden_states)
-    return {**encode_sample(target["key"], hidden_states, target["dtype"]), "norms": norms, "nonfinite": nonfinite}
+    return planned_sample(planned_rows(hidden_states, target["dtype"]), target["key"])
+
+
+def planned_rows(hidden_states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """planned_capture of the token rows of one or more samples at once ([N, L, H] on any device, no host sync;
+    the connector runs it once per engine step for all the step's finished samples): the stored tensors of
+    encode_sample by their suffix ("hs", and "scale" for fp8), `norms` [N, L] and `nonfinite` [N, L] counted per
+    token row. Every tensor is cut by token rows; planned_sample makes a sample's planned_capture of its rows."""
+    norms, nonfinite = capture_norms(hidden_states, per_row=True)
+    stored = {name.removeprefix("."): t for name, t in encode_sample("", hidden_states, dtype).items()}
+    return {**stored, "norms": norms, "nonfinite": nonfinite}
+
+
+def planned_sample(rows: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    """The planned_capture of sample `key` from the planned_rows of its own token rows."""
+    out = {f"{key}.{name}": t for name, t in rows.items() if name not in ("norms", "nonfinite")}
+    return {**out, "norms": rows["norms"], "nonfinite": rows["nonfinite"].sum(dim=0)}
 
 
 def write_planned_capture(tensors: dict[str, torch.Tensor], token_ids: torch.Tensor, target: dict,
@@ -309,26 +324,28 @@ def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) ->
 NORM_CHUNK_VALUES = 1 << 18  # capture_norms' rows at a time on the CPU, in values (1 MB of fp32)
 
 
-def capture_norms(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def capture_norms(hidden_states: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """What capture_stats needs of a captured sample, hidden_states [T, L, H], in one pass: the fp32 L2 norm of
-    every token row [T, L] and the NaN/inf values per layer [L] (int64). The row norm is 0 exactly for a zero row and
-    non-finite exactly for a row holding NaN/inf (hidden states are far below fp32's overflow of a squared bf16), so
-    on the CPU the values are counted only in the rare rows that are, and the norms go through the sample a few token
-    rows at a time (about 1 MB of fp32 each: the same values as one call, in half the time, its fp32 copy staying in
-    cache). On a GPU (vLLM's connector, before its copy to the host) both are whole-tensor kernels, with no sync."""
+    every token row [T, L] and the NaN/inf values per layer [L] (int64; [T, L] per token row with `per_row`). The row
+    norm is 0 exactly for a zero row and non-finite exactly for a row holding NaN/inf (hidden states are far below
+    fp32's overflow of a squared bf16), so on the CPU the values are counted only in the rare rows that are, and the
+    norms go through the sample a few token rows at a time (about 1 MB of fp32 each: the same values as one call, in
+    half the time, its fp32 copy staying in cache). On a GPU (vLLM's connector, before its copy to the host) both are
+    whole-tensor kernels, with no sync."""
     if hidden_states.is_cuda:
         norms = torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
-        return norms, (~torch.isfinite(hidden_states)).sum(dim=(0, 2))
+        nonfinite = (~torch.isfinite(hidden_states)).sum(dim=2)  # shape: [T, L]
+        return norms, nonfinite if per_row else nonfinite.sum(dim=0)
     norms = torch.empty(hidden_states.shape[:2], dtype=torch.float32)  # shape: [T, L]
     rows = max(1, NORM_CHUNK_VALUES // max(1, math.prod(hidden_states.shape[1:])))
     for start in range(0, hidden_states.shape[0], rows):
         torch.linalg.vector_norm(hidden_states[start:start + rows], dim=-1, dtype=torch.float32,
                                  out=norms[start:start + rows])
-    nonfinite = torch.zeros(norms.shape[1], dtype=torch.int64)
-    rows_finite = torch.isfinite(norms)
-    if not bool(rows_finite.all()):
-        nonfinite = (~torch.isfinite(hidden_states[~rows_finite.all(dim=1)])).sum(dim=(0, 2))
-    return norms, nonfinite
+    nonfinite = torch.zeros(norms.shape, dtype=torch.int64)
+    bad = ~torch.isfinite(norms).all(dim=1)  # shape: [T]
+    if bool(bad.any()):
+        nonfinite[bad] = (~torch.isfinite(hidden_states[bad])).sum(dim=2)
+    return norms, nonfinite if per_row else nonfinite.sum(dim=0)
 
 
 def stats_from_norms(norms: torch.Tensor, nonfinite: torch.Tensor) -> dict[str, list]:

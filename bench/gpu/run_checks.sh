@@ -102,8 +102,9 @@ step_train2() {
 }
 
 step_pytest_gpu() {
-    # The suite's `gpu` tests (deselected on machines without CUDA): DeviceBatches' side-stream copies and decode.
-    "$PY" -m pytest -q -m gpu tests/test_bench_train.py
+    # The suite's `gpu` tests (deselected on machines without CUDA): DeviceBatches' side-stream copies and decode,
+    # the connector's step-wise encoding and norms on the device.
+    "$PY" -m pytest -q -m gpu tests/test_bench_train.py tests/test_generate.py
 }
 
 step_train_bench() {
