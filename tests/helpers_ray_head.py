@@ -212,7 +212,7 @@ class FinishedJob:
 
     info: dict
     logs: str
-    run_dir: Path
+    run_dir: Path | str | None
     metrics: list[tuple[str, dict[str, str], float]]
     elapsed_s: float
 
@@ -250,9 +250,10 @@ def latest_path(run_dir: Path, stage: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def pipeline_job(ray_head) -> FinishedJob:
-    """The whole tiny pipeline, submitted once per session (the metrics tests read the same run), with its run dir
-    given as a file:// URI, which every stage reads and writes through pyarrow's filesystems."""
-    storage_path = ray_head.temp_dir / "runs"
-    return run_job(ray_head, "eagle3-full", pipeline_entrypoint(f"file://{storage_path}", "full"),
-                   storage_path / "full")
+def pipeline_job(ray_head, s3_server) -> FinishedJob:
+    """The whole tiny pipeline, submitted once per session (the metrics and object-store tests read the same run),
+    with its run dir on the loopback S3 server: every stage reads and writes it through pyarrow's filesystems, and
+    Ray Train's checkpoints go there too. Read it in a test through the `s3_env` fixture."""
+    storage_path = f"s3://{s3_server.bucket}/runs"
+    return run_job(ray_head, "eagle3-full", pipeline_entrypoint(storage_path, "full"), f"{storage_path}/full",
+                   env_vars=s3_server.env)

@@ -54,3 +54,11 @@ def s3_server(tmp_path_factory):
     yield server
     server.process.terminate()
     server.process.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch) -> S3Server:
+    """This test's environment points pyarrow (storage.*) at the loopback server, as a user's would at theirs."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server

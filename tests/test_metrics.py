@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
-from helpers_ray_head import latest_path  # noqa: E402
+from eagle3_ray import storage
 
-pytest_plugins = ["helpers_ray_head"]
+pytest_plugins = ["helpers_ray_head", "helpers_s3"]
 pytestmark = pytest.mark.slow
 
 
@@ -32,12 +30,12 @@ def test_stage_metrics_are_exported_with_the_ray_eagle3_prefix(pipeline_job, sta
     assert names, f"no ray_eagle3_* metric from the {stage} stage itself was scraped"
 
 
-def test_ingest_row_counters_add_up_to_the_rows_read(pipeline_job):
+def test_ingest_row_counters_add_up_to_the_rows_read(pipeline_job, s3_env):
     latest: dict[str, float] = {}
     for name, labels, value in pipeline_job.metrics:
         if name == "ray_eagle3_ingest_rows_total" and labels.get("run") == "full":
             latest[labels["reason"]] = max(value, latest.get(labels["reason"], 0))
-    summary = json.loads((latest_path(pipeline_job.run_dir, "ingest") / "summary.json").read_text())
+    summary = storage.read_json(storage.join(storage.latest(pipeline_job.run_dir, "ingest")["path"], "summary.json"))
     # Rows are counted as ok or by reject code when normalised; duplicates among the ok rows are counted apart.
     assert sum(v for reason, v in latest.items() if reason != "duplicate") == summary["rows_in"]
     assert latest.get("duplicate", 0) == summary["duplicates"]

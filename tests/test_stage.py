@@ -17,12 +17,13 @@ from eagle3_ray import stage, storage
 from eagle3_ray.config import config_from_dict
 
 
-def _cfg(tmp_path, **sections):
-    return config_from_dict({"run": {"storage_path": str(tmp_path), "name": "r"}, **sections})
+def _cfg(tmp_path, storage_path: str | None = None, **sections):
+    return config_from_dict({"run": {"storage_path": storage_path or str(tmp_path), "name": "r"}, **sections})
 
 
-def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, capsys):
-    cfg = _cfg(tmp_path)
+@pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
+def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, capsys, as_uri):
+    cfg = _cfg(tmp_path, f"file://{tmp_path}" if as_uri else None)
     calls = []
 
     def body(out: str) -> dict:
@@ -39,6 +40,7 @@ def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, ca
     assert "[eagle3 ingest] already_done version=va" in capsys.readouterr().out
     for name in ("summary.json", "provenance.json", storage.SUCCESS_MARKER):
         assert storage.exists(storage.join(first["path"], name))
+    assert json.loads((tmp_path / "r" / "ingest" / "va" / "data.json").read_text()) == {"made_in": first["path"]}
 
 
 def test_a_failed_body_leaves_the_version_unfinished_and_latest_untouched(tmp_path):
