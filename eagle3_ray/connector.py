@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
     extract_from_kv_cache,
 )
@@ -57,7 +58,7 @@ class ShardSave(PendingSave):
 
 
 class CaptureConnector(ExampleHiddenStatesConnector):
-    _saved_by_step: frozenset[str] | set[str] = frozenset()  # req ids of this step's planned saves (get_finished)
+    _saved_by_step: frozenset[str] = frozenset()  # req ids of this step's planned saves (get_finished)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side: the parent's pending save, carrying the request's `shard` target to the worker."""
@@ -71,11 +72,10 @@ class CaptureConnector(ExampleHiddenStatesConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker side, once per engine step: the step's planned saves go out together (_save_planned), the others
         one by one through the parent's loop, which then polls the copies of both."""
-        planned: list[ShardSave] = []
-        if self.has_connector_metadata():
-            metadata = self._get_connector_metadata()
-            planned = [p for p in getattr(metadata, "pending_saves", []) if getattr(p, "shard", None) is not None]
-        self._saved_by_step = {p.req_id for p in planned}
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        pending = metadata.pending_saves if isinstance(metadata, ExampleHiddenStatesConnectorMetadata) else []
+        planned = [p for p in pending if isinstance(p, ShardSave) and p.shard is not None]
+        self._saved_by_step = frozenset(p.req_id for p in planned)
         if planned and self._is_tp_rank_zero:
             for dtype in {p.shard["dtype"] for p in planned}:
                 self._save_planned([p for p in planned if p.shard["dtype"] == dtype], dtype)
