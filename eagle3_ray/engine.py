@@ -2,7 +2,8 @@
 requests of `generate.units_in_flight` units at once, committing each unit through a background writer.
 
     Ray Data (async actor, max_concurrency = units_in_flight) --unit--> EngineActor.__call__ (a coroutine per unit)
-        -> chat.Conversation per sample -> engine_loop.RequestLoop (one thread: add_request/step, continuous batching)
+        -> chat.Conversation per sample -> engine_loop.RequestLoop (vLLM's AsyncLLM on a thread of its own: requests
+           reach the engine as they are made, continuous batching)
         -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
         -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
            or stream rows)
@@ -34,7 +35,7 @@ from typing import Any
 
 from eagle3_ray import chat, commit, storage, telemetry
 from eagle3_ray.config import Config, config_from_dict
-from eagle3_ray.engine_loop import ByteBudget, RequestLoop
+from eagle3_ray.engine_loop import ByteBudget, RequestLoop, start_async_engine
 from eagle3_ray.layers import text_config
 from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
 
@@ -160,13 +161,12 @@ def remove_dead_scratch(root: str, prefix: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def start_llm(cfg: Config, verifier_path: str, kwargs: dict[str, Any]):
-    """`vllm.LLM(**kwargs)`; a failure names the verifier and the user's engine_kwargs (the stage shows it)."""
-    from vllm import LLM
-
+def start_engine(cfg: Config, verifier_path: str, kwargs: dict[str, Any]):
+    """vLLM's async engine from `vllm.LLM`'s keyword arguments (engine_loop.start_async_engine); a failure names the
+    verifier and the user's engine_kwargs (the stage shows it)."""
     prepare_engine_env(cfg)
     try:
-        return LLM(**kwargs)
+        return start_async_engine(kwargs)
     except Exception as e:  # surfaced by the driver as the stage's error
         raise RuntimeError(f"{START_ERROR} (verifier {verifier_path}, engine_kwargs {cfg.generate.engine_kwargs}): "
                            f"{type(e).__name__}: {e}") from e
@@ -193,7 +193,7 @@ class EngineActor:
         self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
         self.scratch = scratch_dir(self.cfg, self.scratch_prefix)
         kwargs = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch, capture=kind != "plain")
-        self.llm = start_llm(self.cfg, verifier_path, kwargs)
+        self.engine = start_engine(self.cfg, verifier_path, kwargs)
         tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code)
         self.chat = chat.ChatEncoder(tokenizer, self.cfg.generate.enable_thinking)
         self.sink = self.make_sink()
@@ -202,7 +202,7 @@ class EngineActor:
         self.bytes_per_token = len(layer_ids) * hidden_size * itemsize  # what the connector writes per token
         self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
-        self.requests = RequestLoop(self.llm.llm_engine)
+        self.requests = RequestLoop(self.engine)
         engine_procs = self._record_pids()
         threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
 
@@ -266,7 +266,7 @@ class EngineActor:
         stamps = {f"last_{k.removesuffix('_at')}_s": max(c.timing[k] for c in convs if k in c.timing)
                   for k in commit.CaptureWriter.STAMPS if any(k in c.timing for c in convs)}
         telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
-                      engine_steps=self.requests.num_steps,
+                      requests_finished=self.requests.num_finished,
                       **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
                                                                      ("submitted_s", sent["submitted"]),
                                                                      ("requests_done_s", sent.get("finished", start)),
@@ -322,8 +322,8 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
 
 
 def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
-    """vLLM's synchronous client can block forever when its EngineCore process is killed (its monitor shuts the
-    output thread down without waking the waiting call), so the actor watches the processes itself and exits:
+    """An EngineCore (or worker) process that was killed while the actor had no request in it raises nothing in
+    the actor, so the actor watches the processes itself and exits:
     Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1)."""
     import psutil
 

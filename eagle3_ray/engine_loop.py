@@ -1,19 +1,22 @@
-"""Continuous batching for the engine actor: one thread drives vLLM's `LLMEngine` (`add_request` / `step`, the
-loop `LLM.generate` runs inside, in vLLM 0.24 and 0.32 alike) for every unit the actor holds at once.
+"""Continuous batching for the engine actor: vLLM's async engine (`AsyncLLM`, what `vllm serve` and Ray's own
+`ray.data.llm` drive) on an event loop of its own thread, fed the requests of every unit the actor holds at once.
 
-    units (asyncio tasks of the actor) --submit--> RequestLoop thread --add_request/step--> vLLM EngineCore
+    units (asyncio tasks of the actor) --submit--> RequestLoop thread: one `AsyncLLM.generate` task per request
+        --> vLLM EngineCore (its own process): the scheduler batches whatever requests it holds, step by step
         finished output --> the conversation's handler (same thread): next turn submitted at once, or done
 
-A unit's conversations advance independently: a multi-turn conversation sends its next turn as soon as its previous
-answer is back, not when the whole unit's round is. How many requests run together is the engine scheduler's
-business (max_num_seqs, KV cache); ByteBudget bounds the captured bytes that wait for the writer.
+A request reaches the engine the moment its unit submits it, also while the engine runs a step: a loop around the
+synchronous `LLMEngine.step()` could only add requests between steps, so units that arrived during a long prefill
+step waited for it and the engine's next step ran without them. A unit's conversations advance independently: a
+multi-turn conversation sends its next turn as soon as its previous answer is back, not when the whole unit's round
+is. How many requests run together is the engine scheduler's business (max_num_seqs, KV cache); ByteBudget bounds the
+captured bytes that wait for the writer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -24,56 +27,57 @@ from eagle3_ray import telemetry
 Handler = Callable[[Any], list[tuple[str, dict, Any, "Handler"]]]
 
 
-class RequestLoop:
-    """Owns `llm_engine`: only this thread calls into it. `submit` is safe from any thread."""
+def start_async_engine(kwargs: dict[str, Any]):
+    """`vllm.AsyncLLM` from the keyword arguments `vllm.LLM` takes (engine.engine_kwargs), converted the way `LLM`
+    converts them: a `kv_transfer_config` dict becomes vLLM's KVTransferConfig, and per-step stat logging stays off
+    unless asked for. Config dicts such as `compilation_config` are vLLM's EngineArgs' own business."""
+    from vllm import AsyncEngineArgs
+    from vllm.config import KVTransferConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
 
-    def __init__(self, llm_engine: Any):
-        self.engine = llm_engine
-        self.inbox: queue.Queue = queue.Queue()
-        self.handlers: dict[str, Handler] = {}
-        self.num_steps = 0
-        threading.Thread(target=self._run, name="engine-loop", daemon=True).start()
+    kwargs = {"disable_log_stats": True, **kwargs}
+    if isinstance(kwargs.get("kv_transfer_config"), dict):
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+class RequestLoop:
+    """Owns an `AsyncLLM`: only this thread's event loop calls into it. `submit` is safe from any thread."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.tasks: set[asyncio.Task] = set()  # the event loop keeps only weak references to its tasks
+        self.num_finished = 0
+        threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
 
     def submit(self, requests: list[tuple[str, dict, Any, Handler]]) -> None:
         """requests: (request_id, prompt {"prompt_token_ids": [...]}, SamplingParams, handler)."""
-        self.inbox.put(requests)
-
-    def _run(self) -> None:
-        while True:
-            self._admit(block=not self.handlers)
-            try:
-                outputs = self.engine.step()
-            except Exception as e:
-                self._die(e)
-            self.num_steps += 1
-            for out in outputs:
-                if out.finished:
-                    self._add(self.handlers.pop(out.request_id)(out))
-
-    def _admit(self, block: bool) -> None:
-        """Add what units submitted; with nothing running, sleep until something arrives."""
-        try:
-            self._add(self.inbox.get(block=block))
-            while True:
-                self._add(self.inbox.get_nowait())
-        except queue.Empty:
-            pass
+        self.loop.call_soon_threadsafe(self._add, requests)
 
     def _add(self, requests: list[tuple[str, dict, Any, Handler]]) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         for request_id, prompt, params, handler in requests:
             params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
-            self.handlers[request_id] = handler
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except Exception as e:
-                self._die(e)
+            task = self.loop.create_task(self._run(request_id, prompt, params, handler))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, request_id: str, prompt: dict, params: Any, handler: Handler) -> None:
+        final = None
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                final = out
+        except Exception as e:
+            self._die(e)
+        self.num_finished += 1
+        self._add(handler(final))
 
     def _die(self, e: BaseException) -> None:
-        """An engine that failed mid-step cannot be trusted with the requests it holds. Exiting the actor process
-        makes Ray restart it (Ray Data actors: max_restarts=-1, max_task_retries=-1) and retry its units, which
-        have not committed (a unit commits only after all its requests finished)."""
+        """An engine that failed (or refused a request) cannot be trusted with the requests it holds. Exiting the
+        actor process makes Ray restart it (Ray Data actors: max_restarts=-1, max_task_retries=-1) and retry its
+        units, which have not committed (a unit commits only after all its requests finished)."""
         telemetry.log("generate", "engine_dead", pid=os.getpid(), error=f"{type(e).__name__}: {e}")
         os._exit(1)
 

@@ -9,7 +9,9 @@ time) and prints one `RESULT {json}` line:
   plain           vllm.LLM.generate, all prompts in one call, no capture
   capture         the same engine + extract_hidden_states + the project's connector (include_output_tokens), one call,
                   its per-request files where the stage's go (engine.scratch_dir: /dev/shm when it has room)
-  prefill         connector-level capture of the plain run's finished sequences (max_tokens=1): what capture_only wraps
+  prefill         connector-level capture (max_tokens=1) of exactly the token ids stage_capture_only prefills: the
+                  plain run's responses as the conversations' answers, templated as the stage's planner does
+                  (the random verifier's text does not re-encode token for token, so its raw sequences would not do)
   stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
 Rates exclude engine start (reported apart): engine rows time the generate() call and the capture files being
 complete (`generate_s`: the call alone, files maybe still on their way); stage rows time from the first engine ready
@@ -80,8 +82,8 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     llm = LLM(**engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=mode != "plain"))
     start_s = time.perf_counter() - t0
     _, prompts = prompt_ids(args)
-    if mode == "prefill":  # the plain run's finished sequences, as capture_only would see them
-        prompts = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
+    if mode == "prefill":  # the ids stage_capture_only sends for these conversations
+        prompts = capture_only_ids(args, out_len)
     paths = [os.path.join(scratch, f"req-{i:05d}.safetensors") for i in range(len(prompts))]
     capture = [{"kv_transfer_params": {"hidden_states_path": p, "include_output_tokens": mode == "capture"}}
                for p in paths]
@@ -170,21 +172,36 @@ def generate_table(out: str) -> dict:
     return pq.read_table(f"{out}/conversations.parquet", columns=["input_ids", "num_response_tokens"]).to_pydict()
 
 
+def capture_only_convs(args, out_len: int) -> tuple[list[list[dict]], list[list[int]]]:
+    """The prompts' conversations with the plain run's responses as their answers (what capture_only captures),
+    and the prompts' ids."""
+    from transformers import AutoTokenizer
+
+    convs, ids = prompt_ids(args)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    seqs = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
+    return [c + [{"role": "assistant", "content": tok.decode(s[len(p):], skip_special_tokens=True)}]
+            for c, p, s in zip(convs, ids, seqs)], ids
+
+
+def capture_only_ids(args, out_len: int) -> list[list[int]]:
+    """The token ids the capture_only stage prefills for capture_only_convs (its planner's own templating)."""
+    from eagle3_ray.generate import chat_encoder, with_prefill_ids
+
+    cfg = make_cfg(args, args.work, "capture_only", out_len)
+    rows = [{"messages": c} for c in capture_only_convs(args, out_len)[0]]
+    return [r["input_ids"] for r in with_prefill_ids(rows, cfg, chat_encoder(args.model, cfg))]
+
+
 def write_ingest(cfg, args, mode: str, out_len: int) -> None:
     """ingest/{version}/conversations.parquet for the stage (what the ingest stage writes for these prompts)."""
     import hashlib
 
     import pyarrow as pa
-    from transformers import AutoTokenizer
 
     from eagle3_ray import stage, storage
 
-    convs, ids = prompt_ids(args)
-    if mode == "capture_only":  # the plain run's responses become the conversations' answers
-        tok = AutoTokenizer.from_pretrained(args.model)
-        seqs = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
-        convs = [c + [{"role": "assistant", "content": tok.decode(s[len(p):], skip_special_tokens=True)}]
-                 for c, p, s in zip(convs, ids, seqs)]
+    convs, ids = capture_only_convs(args, out_len) if mode == "capture_only" else prompt_ids(args)
     rows = [{"id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16], "messages": c, "source": f"bench:{i}",
              "num_turns": 1, "num_prompt_tokens": len(p)} for i, (c, p) in enumerate(zip(convs, ids))]
     out = stage.output_dir(cfg, "ingest")
@@ -243,7 +260,9 @@ def ratios(results: list[dict], out_len: int) -> dict:
             "stage_two_pass_vs_stage_generate_total_wall": (by["stage_generate"]["total_wall_s"] /
                                                             by["stage_two_pass"]["total_wall_s"])
             if "stage_two_pass" in by and "stage_generate" in by else None,
-            "stage_capture_only_vs_prefill (>= 0.9)": ratio("stage_capture_only", "prefill")}
+            "stage_capture_only_vs_prefill (>= 0.9)": ratio("stage_capture_only", "prefill"),
+            "stage_capture_only_tokens_vs_prefill (1: the same ids)": ratio("stage_capture_only", "prefill",
+                                                                           "prompt_tokens")}
 
 
 def table(results: list[dict], out_lens: list[int]) -> str:
