@@ -218,7 +218,8 @@ class EngineActor:
 
     def _record_pids(self) -> list:
         """engines/<incarnation>.json: this actor's and its engine processes' pids, for operators (and the fault
-        test) to find the engine of a replica. Returns the vLLM processes (EngineCore, workers)."""
+        test) to find the engine of a replica, and the engine's batch limits. Returns the vLLM processes (EngineCore,
+        workers)."""
         import psutil
 
         def command(proc: psutil.Process) -> str | None:
@@ -230,8 +231,10 @@ class EngineActor:
         children = [(p, command(p)) for p in psutil.Process().children(recursive=True)]
         children = [(p, cmd) for p, cmd in children if cmd is not None]
         self.ready_time = time.time()
+        scheduler = self.engine.vllm_config.scheduler_config
         info = {"pid": os.getpid(), "engine_pids": [p.pid for p, _cmd in children], "scratch": self.scratch,
-                "kind": self.kind, "start_time": self.start_time, "ready_time": self.ready_time}
+                "kind": self.kind, "start_time": self.start_time, "ready_time": self.ready_time,
+                "max_num_batched_tokens": scheduler.max_num_batched_tokens, "max_num_seqs": scheduler.max_num_seqs}
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
         telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
         return [p for p, cmd in children if "VLLM" in cmd]

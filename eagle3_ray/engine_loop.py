@@ -29,16 +29,19 @@ Handler = Callable[[Any], list[tuple[str, dict, Any, "Handler"]]]
 
 def start_async_engine(kwargs: dict[str, Any]):
     """`vllm.AsyncLLM` from the keyword arguments `vllm.LLM` takes (engine.engine_kwargs), converted the way `LLM`
-    converts them: a `kv_transfer_config` dict becomes vLLM's KVTransferConfig, and per-step stat logging stays off
-    unless asked for. Config dicts such as `compilation_config` are vLLM's EngineArgs' own business."""
+    converts them: a `kv_transfer_config` dict becomes vLLM's KVTransferConfig, per-step stat logging stays off
+    unless asked for, and the defaults vLLM derives from the usage context are `LLM`'s (offline batch: e.g.
+    max_num_batched_tokens 16384 on an H200, where the engine context would get 2048). Config dicts such as
+    `compilation_config` are vLLM's EngineArgs' own business."""
     from vllm import AsyncEngineArgs
     from vllm.config import KVTransferConfig
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kwargs = {"disable_log_stats": True, **kwargs}
     if isinstance(kwargs.get("kv_transfer_config"), dict):
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
 
 
 class RequestLoop:

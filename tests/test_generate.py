@@ -3,6 +3,7 @@ killed engines and killed jobs still give every sample exactly once, and a broke
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import signal
@@ -147,6 +148,21 @@ def test_capture_contract_records_the_layer_ids(fp32_run):
     assert contract["aux_layer_ids"] == [1, 3, 4] and contract["final_layer_id"] == 6
     assert contract["layer_ids"] == [1, 3, 4, 6] and contract["final_layer_norm"] == "pre"
     assert contract["hidden_size"] == 256 and contract["verifier_architectures"] == ["LlamaForCausalLM"]
+
+
+def test_the_engine_actor_batches_as_vllm_llm_would_for_the_same_arguments(fp32_run, tiny_llama_fp32):
+    """The actor drives vLLM's async engine; its scheduler gets vllm.LLM's offline defaults (usage context LLM_CLASS),
+    not the smaller batches vLLM gives an engine started in another context."""
+    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    cfg = fp32_run[0]
+    engines = [storage.read_json(p) for p in glob.glob(f"{out_dir(cfg)}/engines/*.json")]
+    args = dict(model=tiny_llama_fp32, dtype="float32", max_model_len=cfg.verifier.max_model_len, **ENGINE)
+    limits = {c: EngineArgs(**args).create_engine_config(c).scheduler_config.max_num_batched_tokens
+              for c in (UsageContext.LLM_CLASS, UsageContext.ENGINE_CONTEXT)}
+    assert limits[UsageContext.LLM_CLASS] > limits[UsageContext.ENGINE_CONTEXT]
+    assert engines and {e["max_num_batched_tokens"] for e in engines} == {limits[UsageContext.LLM_CLASS]}
 
 
 def test_finished_stage_rerun_is_a_no_op(fp32_run):
