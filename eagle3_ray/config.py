@@ -155,7 +155,8 @@ class GenerateConfig:
     num_cpus_per_replica: float = field(default=1.0, metadata=NOT_IN_VERSION)
     """CPUs Ray reserves for each engine replica."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for `vllm.LLM` (e.g. enforce_eager, kv_cache_memory_bytes, gpu_memory_utilization)."""
+    """Extra keyword arguments for the engine, as `vllm.LLM` takes them (e.g. enforce_eager, kv_cache_memory_bytes,
+    gpu_memory_utilization); the engine actor starts vLLM's AsyncLLM from them with LLM's conversions and defaults."""
     max_batch_tokens: int = 16384
     """Token budget of one engine call: sum over samples of prompt + max_tokens. Bounds memory, not a row count."""
     oversize: Literal["alone", "reject"] = "alone"
