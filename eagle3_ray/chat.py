@@ -104,11 +104,16 @@ class Conversation:
         self.capture_path: str | None = None
         # the kv_transfer_params of its capture request: commit.ShardPlan adds a planned sample's place in its shard
         self.transfer_params: dict[str, Any] | None = None
+        # what the request of the capture it stores (generate: the final turn's) adds to them: commit.ShardStream's
+        # open shards of the unit, set before the conversation starts
+        self.capture_target: dict[str, Any] = {}
         self.discarded: list[str] = []
         # commit.CaptureWriter: the final capture read, as (stats, encoded) or the error reading it raised
         self.prepared: tuple | BaseException | None = None
         self.prepare_lock = threading.Lock()
-        self.shard: tuple | None = None  # (commit.ShardPlan, shard index) of a prefill unit's planned shards
+        # (commit.ShardPlan, shard index) of a prefill unit's planned shards; (commit.ShardStream, None) of a generate
+        # unit's open shards
+        self.shard: tuple | None = None
         self.timing: dict[str, float] = {}  # the writer's seconds on this capture (commit.CaptureWriter.TIMINGS)
 
     def start(self):
@@ -184,6 +189,8 @@ class Conversation:
         if capture:
             self.capture_path = os.path.join(self.dir, f"{self.record['id']}-{self.turn}.safetensors")
             self.transfer_params = {"hidden_states_path": self.capture_path, "include_output_tokens": include_output}
+            if include_output:  # generate's final turn: the capture that is stored
+                self.transfer_params.update(self.capture_target)
             extra = {"kv_transfer_params": self.transfer_params}
         params = SamplingParams(temperature=gen.temperature, top_p=gen.top_p,
                                 seed=request_seed(self.cfg.run.seed, self.record["id"], self.turn),

@@ -165,7 +165,7 @@ class CaptureWriter:
             conv.timing.update(capture_wait_s=waited - start, prepare_s=time.monotonic() - waited,
                                prepared_at=time.time())
             if conv.shard is not None:  # still under the lock: a commit reading this conversation waits for the shard
-                conv.shard[0].prepared(conv.shard[1], conv)
+                conv.shard[0].prepared(conv.shard[1], conv, data)
 
     def _commit(self, unit_id: str, convs: list, sink: Any, future: asyncio.Future) -> None:
         plans = {id(c.shard[0]): c.shard[0] for c in convs if c.shard is not None}
@@ -298,7 +298,7 @@ class ShardPlan:
                     convs[i].transfer_params["shard"] = {"file": self.files[j].tmp, "key": convs[i].record["id"],
                                                          "dtype": dtype, "ranges": self.files[j].ranges(names)}
 
-    def prepared(self, j: int, conv: Any) -> None:
+    def prepared(self, j: int, conv: Any, capture: dict) -> None:
         """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock): in a
         streamed shard its tensors are in place already, written by the connector."""
         try:
@@ -351,6 +351,93 @@ class ShardPlan:
             files = [f for name, f in zip(self.names, self.files) if name not in self.written]
         for f in files:
             f.abort()
+
+
+class ShardStream:
+    """A generate unit's shards on a local run dir, filled as its conversations finish: a sample's T is known only
+    when its final turn does, so its place is given then, by vLLM's connector on the scheduler side
+    (shards.stream_target: the next free bytes of the unit's open shard with the fewest so far), and the connector
+    writes the sample there as it writes a planned one (encoded and normed on the device, once per engine step).
+    The unit's shards (shards.StreamedShard.open) are made before its requests go out, as many as its token budget
+    fills at generate.shard_max_bytes (at most one a sample), each with room for the header of every sample of the
+    unit; each conversation's final request carries them (`conv.capture_target["stream"]`). A writer thread checks
+    each sample from the connector's note (norms, and its place), and the unit's commit writes each shard's header
+    from the places its samples got (shard_bytes) and moves it into place: nothing is read back after the unit's
+    last step. `abort()` removes the files when the unit fails. Each conversation gets `conv.shard = (stream,
+    None)`."""
+
+    streamed = True
+
+    def __init__(self, sink: ShardSink, unit_id: str, convs: list, hidden_size: int, num_tokens: int):
+        gen = sink.cfg.generate
+        self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
+        self.dtype, self.num_layers, self.hidden_size = gen.hidden_states_dtype, len(sink.layer_ids), hidden_size
+        budget = shards.layout_bytes(self._layout("", num_tokens))
+        self.names = shard_names(unit_id, max(1, min(len(convs), -(-budget // gen.shard_max_bytes))))
+        # header room: every sample of the unit at the longest T it can have (offsets that large take the most digits)
+        capacity = [e for c in convs for e in self._layout(c.record["id"], sink.cfg.verifier.max_model_len)]
+        self.files = [shards.StreamedShard.open(sink.shard_uri(name), capacity, metadata={"unit_id": unit_id})
+                      for name in self.names]
+        self.placed: list[tuple[int, int, Any]] = []  # (shard index, payload offset, conversation)
+        self.written: dict[str, int] = {}
+        self.error: BaseException | None = None
+        stream = {"files": [f.tmp for f in self.files], "payload_start": self.files[0].payload_start,
+                  "dtype": self.dtype, "num_layers": self.num_layers, "hidden_size": hidden_size}
+        for c in convs:
+            c.shard = (self, None)
+            c.capture_target = {"stream": {**stream, "key": c.record["id"]}}
+
+    def _layout(self, key: str, num_tokens: int) -> list[tuple]:
+        return shards.sample_layout(key, num_tokens, self.num_layers, self.hidden_size, self.dtype)
+
+    def prepared(self, j: None, conv: Any, note: dict) -> None:
+        """`conv`'s final capture is in its shard (its writer thread, under the conversation's prepare lock): check
+        it and keep its place for the header."""
+        try:
+            if "place" not in note:
+                raise RuntimeError(f"generate: sample {conv.record['id']} (unit {self.unit_id}): vLLM's connector "
+                                   "gave it no place in the unit's shards (is kv_connector the project's?)")
+            index, offset = note["place"].tolist()
+            check_sample(self.sink.cfg, conv.record, conv.prepared[0], self.sink.layer_ids, self.names[index])
+        except BaseException as e:  # raised by the unit's commit
+            with self.lock:
+                self.error = self.error or e
+            return
+        with self.lock:
+            self.placed.append((index, offset, conv))
+
+    def shard_bytes(self) -> dict[str, int]:
+        """At the unit's commit, after every sample was prepared: each shard's header from its samples' places,
+        the shard moved into place (a shard no sample went to is removed); the shards' bytes, or the first
+        failure."""
+        if self.error is not None:
+            raise self.error
+        start = time.monotonic()
+        for j, (name, file) in enumerate(zip(self.names, self.files)):
+            placed = sorted((offset, conv) for index, offset, conv in self.placed if index == j)
+            if not placed:
+                file.abort()
+                continue
+            layout, end = [], 0
+            for offset, conv in placed:
+                if offset != end:  # a sample placed here whose note never came, or a place given twice
+                    raise RuntimeError(f"generate: shard {name}: sample {conv.record['id']} is at payload byte "
+                                       f"{offset}, the samples before it end at {end}")
+                layout += self._layout(conv.record["id"], conv.record["num_tokens"])
+                end = offset + shards.layout_bytes(self._layout("", conv.record["num_tokens"]))
+            self.written[name] = file.finish(layout)
+            for _, conv in placed:
+                self.sink.stored(name, conv.record, conv.prepared[0], layout[0][1], self.hidden_size)
+                conv.prepared = ()  # in the shard now: the stats can go
+        if self.placed:
+            self.placed[-1][2].timing.update(shard_write_s=time.monotonic() - start, shard_written_at=time.time())
+        return self.written
+
+    def abort(self) -> None:
+        """The unit failed: remove the shard files not moved into place."""
+        for name, file in zip(self.names, self.files):
+            if name not in self.written:
+                file.abort()
 
 
 class GeneratedSink:

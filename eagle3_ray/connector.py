@@ -7,11 +7,13 @@ request (`pin_memory=True requires a CUDA ... backend`). This subclass keeps eve
 
 - On the CPU the rows are copied synchronously (no pinned memory, no stream).
 - A request whose kv_transfer_params carry `shard` (a prefill unit's sample with a place in a planned local shard,
-  commit.ShardPlan) is written straight into that place: the rows are encoded (bf16/fp8) and their row norms taken
-  on the device they are on, once per engine step for all the step's such requests (shards.planned_rows; on GPU
-  on the copy stream, before the copy to the host, with nothing on the engine's thread waiting for the GPU), the
-  stored bytes go into the shard's temp file at their offsets, and the request's capture path gets a note of a few
-  KB (token ids, norms) instead of the hidden states (shards.write_planned_capture). The hidden states are written
+  commit.ShardPlan) or `stream` (a generate unit's final turn: its place in one of the unit's open local shards is
+  given when it finishes, commit.ShardStream) is written straight into that place: the rows are encoded (bf16/fp8)
+  and their row norms taken on the device they are on, once per engine step for all the step's such requests
+  (shards.planned_rows; on GPU on the copy stream, before the copy to the host, with nothing on the engine's thread
+  waiting for the GPU), the stored bytes go into the shard's temp file at their offsets, and the request's capture
+  path gets a note of a few KB (token ids, norms, a generate sample's place) instead of the hidden states
+  (shards.write_planned_capture). The hidden states are written
   once, into the shard, and the engine actor reads only the note.
 
 Every request captures: a request that opted out (freeing its blocks at once) was still reported as sent by the
@@ -60,12 +62,23 @@ class ShardSave(PendingSave):
 class CaptureConnector(ExampleHiddenStatesConnector):
     _saved_by_step: frozenset[str] = frozenset()  # req ids of this step's planned saves (get_finished)
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._stream_used: dict[str, int] = {}  # scheduler side: payload bytes given out per open shard file
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Scheduler side: the parent's pending save, carrying the request's `shard` target to the worker."""
+        """Scheduler side: the parent's pending save, carrying the request's shard target to the worker: a prefill
+        sample's planned place (`shard`), or a generate sample's place in its unit's open shards (`stream`), given
+        here, where T is known and requests finish one at a time (shards.stream_target)."""
         delay, params = super().request_finished(request, block_ids)
-        target = (request.kv_transfer_params or {}).get("shard")
+        transfer = request.kv_transfer_params or {}
         pending = self._pending_saves.get(request.request_id)
-        if target is not None and pending is not None:
+        if pending is None:
+            return delay, params
+        target = transfer.get("shard")
+        if target is None and transfer.get("stream") is not None:
+            target = shards.stream_target(transfer["stream"], pending.token_ids.shape[0], self._stream_used)
+        if target is not None:
             self._pending_saves[request.request_id] = ShardSave(**vars(pending), shard=target)
         return delay, params
 

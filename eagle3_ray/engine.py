@@ -7,9 +7,10 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
         -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
         -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
            or stream rows)
-    A prefill unit's shards are planned when its requests are made (commit.ShardPlan) and, on a local run dir,
-    vLLM's connector writes each sample into its shard file itself (eagle3_ray/connector.py), so only the last
-    samples' checks, the shards' moves into place and the part file follow the unit's last request.
+    On a local run dir vLLM's connector writes each sample into its shard file itself (eagle3_ray/connector.py): a
+    prefill unit's shards are planned when its requests are made (commit.ShardPlan), a generate unit's get each
+    sample when it finishes (commit.ShardStream), so only the last samples' checks, the shards' headers and moves
+    into place and the part file follow the unit's last request.
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
 hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
@@ -257,7 +258,7 @@ class EngineActor:
         await self.budget.acquire(num_bytes, unit_id)
         try:
             start, sent = time.time(), {}
-            convs = await self._run_conversations(unit_id, samples, sent)
+            convs = await self._run_conversations(unit_id, samples, sent, num_tokens)
             engine_done = time.time()
             rows = await self.writer.commit(unit_id, convs, self.sink)
         finally:
@@ -278,13 +279,17 @@ class EngineActor:
                       **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS})
         return rows
 
-    def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]], stamps: dict) -> asyncio.Future:
+    def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]], stamps: dict,
+                           num_tokens: int) -> asyncio.Future:
         """Submit every conversation's first request; the future resolves when all of them have finished. stamps:
         "submitted" (when the requests went to the engine loop), "finished" (when its thread saw the last one end)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         convs = [chat.Conversation(s, self.chat, self.cfg, self.scratch, unit_id, self.kind) for s in samples]
         left = [len(convs)]
+        if self.kind == "generate" and isinstance(self.sink, commit.ShardSink) and storage.is_local(self.out_dir) \
+                and convs:  # each final capture is written into the unit's open shards as it finishes
+            commit.ShardStream(self.sink, unit_id, convs, self.hidden_size, num_tokens)
 
         def advance(conv: chat.Conversation, request) -> list:
             if request is not None:

@@ -7,8 +7,10 @@ where T = number of captured tokens, L = number of captured layers (aux layers t
 
 A manifest row per sample names its shard file and key (MANIFEST_SCHEMA). Shards are written under a temporary name
 and moved into place (storage.atomic_local_file, storage.write_bytes_atomic), so a shard's final name only ever holds
-a complete file. A prefill unit's local shards are written sample by sample into their final offsets by vLLM's
-connector itself (StreamedShard, planned_capture), so those hidden states are written once, into the shard.
+a complete file. The local shards of a unit are written sample by sample into their final offsets by vLLM's
+connector itself (StreamedShard, planned_capture): a prefill unit's at places planned before its requests go out, a
+generate unit's at places given as its requests finish (stream_target); its hidden states are written once, into
+the shard.
 """
 
 from __future__ import annotations
@@ -120,51 +122,89 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class StreamedShard:
-    """A local shard whose tensors are all known by name, dtype and shape before any value is: the safetensors
-    header and every tensor's byte range are fixed when it is made, so each sample is written into its final offsets
-    (write_at, from any thread or process: vLLM's connector writes a planned sample itself, see planned_capture) as
-    soon as it is captured, instead of the whole shard once the last sample is. `finish()` (after every tensor was
-    written) has safetensors open the file, which checks the header against the payload, and moves it into place;
-    `abort()` removes it.
+def safetensors_header(layout: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str] | None = None,
+                       size: int | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The first bytes of a safetensors file holding `layout`'s tensors one after the other, in its order: the
+    8-byte length and the JSON header, padded with spaces (which safetensors allows) so that the payload starts
+    8-byte aligned, as safetensors writes it, or at `size` bytes (the room an open StreamedShard kept for it); and
+    each tensor's [begin, end) in the payload."""
+    names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    payload_ranges: dict[str, tuple[int, int]] = {}
+    offset = 0
+    for name, dtype, shape in layout:
+        end = offset + layout_bytes([(name, dtype, shape)])
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        payload_ranges[name] = (offset, end)
+        offset = end
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    room = 8 + len(encoded) + (-len(encoded) % 8) if size is None else size
+    if room < 8 + len(encoded):
+        raise ValueError(f"a safetensors header of {len(encoded)} bytes does not fit the {room - 8} kept for it")
+    return struct.pack("<Q", room - 8) + encoded + b" " * (room - 8 - len(encoded)), payload_ranges
 
+
+class StreamedShard:
+    """A local shard written tensor by tensor into its final offsets (write_at, from any thread or process: vLLM's
+    connector writes a planned sample itself, see planned_capture) as soon as each sample is captured, instead of
+    the whole shard once the last sample is. `finish()` (after every tensor was written) has safetensors open the
+    file, which checks the header against the payload, and moves it into place; `abort()` removes it.
+
+    Planned (a prefill unit: every tensor's name, dtype and shape are known before any value): the header and each
+    tensor's byte range are fixed when it is made.
         shard = StreamedShard(uri, layout, metadata)     # layout: [(name, torch dtype, shape)], in file order
         write_at(shard.tmp, tensors, shard.ranges(tensors))   # any subset of the layout, e.g. one sample's tensors
         num_bytes = shard.finish()
+    Open (a generate unit: a sample's T is known when its request finishes): made with room for the header of every
+    sample that may land in it (`capacity`: their layouts at the largest T); vLLM's connector gives each finished
+    sample the next free payload bytes of one of its unit's open shards (stream_target), and the header follows
+    when the unit is complete, from the samples in payload order.
+        shard = StreamedShard.open(uri, capacity, metadata)
+        ... the connector writes each sample at stream_target's ranges ...
+        num_bytes = shard.finish(layout)                 # the samples it got, in payload order
     """
 
     def __init__(self, uri: str, layout: list[tuple[str, torch.dtype, list[int]]],
-                 metadata: dict[str, str] | None = None):
-        names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        payload_ranges: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for name, dtype, shape in layout:
-            end = offset + layout_bytes([(name, dtype, shape)])
-            header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-            payload_ranges[name] = (offset, end)
-            offset = end
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the payload starts 8-byte aligned, as safetensors writes it
-        payload = 8 + len(encoded)
-        # each tensor's [begin, end) in the file
-        self.file_ranges = {name: [payload + b, payload + e] for name, (b, e) in payload_ranges.items()}
-        self.size = payload + offset
+                 metadata: dict[str, str] | None = None, header_at_finish: bool = False):
+        self.metadata = metadata
+        header, payload_ranges = safetensors_header(layout, metadata)
+        self.payload_start = len(header)
+        # each tensor's [begin, end) in the file (a planned shard's; an open shard's come from stream_target)
+        payload = {} if header_at_finish else payload_ranges
+        self.file_ranges = {name: [self.payload_start + b, self.payload_start + e] for name, (b, e) in payload.items()}
+        self.size = self.payload_start + max((e for _, e in payload.values()), default=0)
         self.path = storage.local_path(uri)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"  # the temp name storage.atomic_local_file uses
         fd = os.open(self.tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         try:
             os.ftruncate(fd, self.size)
-            os.pwrite(fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+            if not header_at_finish:
+                os.pwrite(fd, header, 0)
         finally:
             os.close(fd)
 
+    @classmethod
+    def open(cls, uri: str, capacity: list[tuple[str, torch.dtype, list[int]]],
+             metadata: dict[str, str] | None = None) -> "StreamedShard":
+        return cls(uri, capacity, metadata, header_at_finish=True)
+
     def ranges(self, names) -> dict[str, list[int]]:
-        """[begin, end) file offsets of these tensors."""
+        """[begin, end) file offsets of these tensors (a planned shard's)."""
         return {name: self.file_ranges[name] for name in names}
 
-    def finish(self) -> int:
+    def finish(self, layout: list[tuple[str, torch.dtype, list[int]]] | None = None) -> int:
+        """An open shard's `layout` (its samples' tensors in payload order) becomes its header, in the room kept
+        for it; the file ends where that payload does."""
+        if layout is not None:
+            header, payload_ranges = safetensors_header(layout, self.metadata, size=self.payload_start)
+            self.size = self.payload_start + max((e for _, e in payload_ranges.values()), default=0)
+            fd = os.open(self.tmp, os.O_WRONLY)
+            try:
+                os.pwrite(fd, header, 0)
+                os.ftruncate(fd, self.size)
+            finally:
+                os.close(fd)
         with safe_open(self.tmp, framework="pt"):
             pass  # safetensors rejects a header whose offsets do not cover the payload exactly
         os.replace(self.tmp, self.path)
@@ -218,13 +258,37 @@ def planned_sample(rows: dict[str, torch.Tensor], key: str) -> dict[str, torch.T
     return {**out, "norms": rows["norms"], "nonfinite": rows["nonfinite"].sum(dim=0)}
 
 
+def stream_target(stream: dict, num_tokens: int, used: dict[str, int]) -> dict:
+    """The place of a finished sample of `num_tokens` captured tokens in its unit's open shards
+    (StreamedShard.open, commit.ShardStream): the next free payload bytes of the shard that has taken the fewest so
+    far. vLLM's connector calls it on the scheduler side, where requests finish one at a time, so the places never
+    overlap; `used` (the connector's) counts each shard file's payload bytes given out. `stream` (the request's
+    kv_transfer_params["stream"]): {"files": the open shards' temp files, "payload_start": where their payload
+    starts, "key", "dtype", "num_layers", "hidden_size"}. Returns a planned_capture target whose `place`,
+    [shard index, payload offset], the connector's note carries back (write_planned_capture)."""
+    layout = sample_layout(stream["key"], num_tokens, stream["num_layers"], stream["hidden_size"], stream["dtype"])
+    index = min(range(len(stream["files"])), key=lambda i: used.get(stream["files"][i], 0))
+    file = stream["files"][index]
+    offset = used.get(file, 0)
+    used[file] = offset + layout_bytes(layout)
+    ranges, begin = {}, stream["payload_start"] + offset
+    for name, dtype, shape in layout:
+        ranges[name] = [begin, begin + layout_bytes([(name, dtype, shape)])]
+        begin = ranges[name][1]
+    return {"file": file, "key": stream["key"], "dtype": stream["dtype"], "ranges": ranges, "place": [index, offset]}
+
+
 def write_planned_capture(tensors: dict[str, torch.Tensor], token_ids: torch.Tensor, target: dict,
                           note_path: str) -> None:
     """The connector's write of a planned_capture (host tensors): the stored tensors into their place in the shard,
-    then a note of a few KB at the request's capture path (`token_ids` [T], `norms` [T, L], `nonfinite` [L]) for
-    the engine actor's writer, which checks it instead of reading the capture back (commit.CaptureWriter)."""
+    then a note of a few KB at the request's capture path (`token_ids` [T], `norms` [T, L], `nonfinite` [L], and an
+    open shard's `place` [2]: stream_target's) for the engine actor's writer, which checks it instead of reading the
+    capture back (commit.CaptureWriter)."""
     write_at(target["file"], {name: tensors[name] for name in target["ranges"]}, target["ranges"])
-    save_file({"token_ids": token_ids, "norms": tensors["norms"], "nonfinite": tensors["nonfinite"]}, note_path)
+    note = {"token_ids": token_ids, "norms": tensors["norms"], "nonfinite": tensors["nonfinite"]}
+    if "place" in target:
+        note["place"] = torch.tensor(target["place"], dtype=torch.int64)
+    save_file(note, note_path)
 
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

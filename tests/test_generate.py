@@ -599,11 +599,123 @@ class _Conv:
         self.record = {"id": sample_id, "unit_id": "u", "status": "ok", "input_ids": list(range(num_tokens)),
                        "_num_captured": num_tokens}
         self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
-        self.shard, self.timing = None, {}
+        self.shard, self.timing, self.capture_target = None, {}, {}
         self.transfer_params = {"hidden_states_path": capture_path, "include_output_tokens": False}
 
     def complete_record(self) -> None:
         pass  # the record holds all it commits with
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path, dtype, bad):
+    """A generate unit through the actor's real writer threads: its open shards exist before any request, each
+    finished sample gets the next free bytes of the emptiest one where vLLM's connector places it
+    (shards.stream_target, in the order requests finish, T known only then) and is written there as the connector
+    writes it; the commit writes each shard's header from the places: every shard is a safetensors file holding
+    exactly its samples' stored tensors, within a sample of shard_max_bytes, read back by the training reader, an
+    unused shard is removed and the part file's rows name their shards. A sample failing the capture check fails
+    the commit and no temp or partial shard remains."""
+    import asyncio
+    import random
+
+    from eagle3_ray import commit, data
+
+    lengths = [9, 3, 7, 1, 5, 8]
+    row_bytes = 4 * 16 * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)  # one token's stored bytes
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=30 * row_bytes, writer_threads=3, hidden_states_dtype=dtype)
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
+    hidden = {f"s{i}": torch.randn(t, 4, 16).to(torch.bfloat16) for i, t in enumerate(lengths)}  # shape: [T, L, H]
+    if bad:
+        hidden["s3"][:, 2] = float("nan")
+    convs = [_Conv(k, str(tmp_path / "scratch" / f"{k}.safetensors"), len(hs)) for k, hs in hidden.items()]
+    stream = commit.ShardStream(sink, "u", convs, hidden_size=16, num_tokens=4 * 30)  # the unit's token budget
+    shards_dir = tmp_path / "gen" / "shards"
+    assert len(list(shards_dir.glob("u-000?.safetensors.tmp-*"))) == 4 == len(stream.names)  # before any request
+    used: dict[str, int] = {}  # the connector's (scheduler side)
+    finish_order = random.Random(0).sample(convs, len(convs))
+    for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/connector.py)
+        request = c.capture_target["stream"]
+        assert request["key"] == c.record["id"] and request["dtype"] == dtype
+        target = shards.stream_target(request, len(hidden[c.record["id"]]), used)
+        os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
+        shards.write_planned_capture(shards.planned_capture(hidden[target["key"]], target),
+                                     torch.arange(len(hidden[target["key"]])), target, c.capture_path)
+        Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
+    writer = commit.CaptureWriter(dtype, num_threads=3)
+
+    async def run_unit():
+        for c in finish_order:
+            writer.prepare(c)
+        return await writer.commit("u", convs, sink)
+
+    if bad:
+        with pytest.raises(commit.CaptureCheckError, match="sample s3"):
+            asyncio.run(run_unit())
+        assert not list(shards_dir.iterdir()) and not Path(sink.part_uri("u")).exists()
+        return
+    rows = asyncio.run(run_unit())
+    names = sorted(p.name for p in shards_dir.iterdir())
+    assert names == ["u-0000.safetensors", "u-0001.safetensors", "u-0002.safetensors", "u-0003.safetensors"]
+    assert sum(r["num_bytes"] for r in rows) == sum(p.stat().st_size for p in shards_dir.iterdir())
+    part = pq.read_table(sink.part_uri("u")).to_pylist()
+    assert sorted(r["id"] for r in part) == sorted(hidden) and all(r["status"] == "ok" for r in part)
+    reader = data.ShardReader()
+    for name in names:
+        held = [r for r in part if r["shard"] == name]
+        with safe_open(str(shards_dir / name), framework="pt") as f:
+            assert sorted(f.keys()) == sorted(n for r in held for n in shards.encode_sample(r["id"], hidden[r["id"]],
+                                                                                              dtype))
+        payload = sum(r["num_tokens"] for r in held) * row_bytes
+        assert payload <= cfg.generate.shard_max_bytes + max(lengths) * row_bytes
+        for r in held:
+            want = shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+            for n, t in want.items():
+                assert torch.equal(reader.tensor(str(shards_dir / name), n).view(torch.uint8), t.view(torch.uint8))
+            assert r["num_tokens"] == len(hidden[r["id"]]) and r["key"] == r["id"] and r["hidden_size"] == 16
+            assert r["dtype"] == ("float8_e4m3fn" if dtype == "fp8" else "bfloat16") and len(r["hs_norm_sum"]) == 4
+    assert all(c.prepared == () for c in convs)  # the writer let go of every sample's stats
+
+
+def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_unit(tmp_path):
+    """ShardStream: a shard the connector gave no sample (a conversation rejected before its final turn) is removed
+    at the commit; a shard whose places leave a gap (a sample placed there whose note never came) fails the unit,
+    naming the shard and the sample after the gap, and nothing of it stays."""
+    from eagle3_ray import commit
+
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3])
+    shards_dir = tmp_path / "gen" / "shards"
+
+    def finish(stream, conv, used):  # the connector's part (scheduler side, then worker side)
+        target = shards.stream_target(conv.capture_target["stream"], 4, used)
+        os.makedirs(os.path.dirname(conv.capture_path), exist_ok=True)
+        shards.write_planned_capture(shards.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target,
+                                     conv.capture_path)
+        conv.record["num_tokens"] = 4
+        conv.prepared = (shards.capture_stats(torch.randn(4, 2, 8)), None)
+        stream.prepared(None, conv, shards.read_safetensors(conv.capture_path))
+
+    convs = [_Conv(f"s{i}", str(tmp_path / "u0" / f"s{i}.safetensors"), 4) for i in range(3)]
+    stream = commit.ShardStream(sink, "u0", convs, hidden_size=8, num_tokens=8 << 20)
+    assert len(stream.names) == 3  # the budget would fill 8 shards; one a sample at most
+    used: dict[str, int] = {}
+    for c in convs[:2]:  # s2 never reaches its final turn
+        finish(stream, c, used)
+    assert list(stream.shard_bytes()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
+    assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
+
+    convs = [_Conv(f"s{i}", str(tmp_path / "u1" / f"s{i}.safetensors"), 4) for i in range(2)]
+    stream = commit.ShardStream(sink, "u1", convs, hidden_size=8, num_tokens=8 << 20)
+    used = {stream.files[1].tmp: 1 << 30}  # every sample goes to the first shard
+    shards.stream_target({**convs[0].capture_target["stream"], "key": "lost"}, 4, used)  # its note never comes
+    for c in convs:
+        finish(stream, c, used)
+    with pytest.raises(RuntimeError, match="shard u1-0000.safetensors: sample s0 is at payload byte 128, the "
+                                           "samples before it end at 0"):
+        stream.shard_bytes()
+    stream.abort()
+    assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
 
 
 @pytest.mark.parametrize("bad", [False, True])

@@ -79,8 +79,8 @@ step_capture_bench() {
 }
 
 step_generate_bench() {
-    # shellcheck disable=SC2086  # gbench and E3R_GENERATE_BENCH_ARGS are lists of arguments
-    "$PY" bench/gpu/generate_bench.py "$verifier" $gbench ${E3R_GENERATE_BENCH_ARGS:-} --work /tmp/generate_bench \
+    # shellcheck disable=SC2086  # gbench and E3R_GENERATE_BENCH_ARGS are lists of arguments (a --work there wins)
+    "$PY" bench/gpu/generate_bench.py "$verifier" $gbench --work /tmp/generate_bench ${E3R_GENERATE_BENCH_ARGS:-} \
         --out "$OUT/generate_bench.json"
 }
 
