@@ -80,8 +80,16 @@ class CaptureWriter:
     # finish the capture file, reading + checking + encoding it, writing planned shards, the commit's own writes
     TIMINGS = ("capture_wait_s", "prepare_s", "shard_write_s", "commit_write_s")
     # and when (time.time()); a unit's line has the latest of its samples: the capture file readable, the capture
-    # prepared, its shard written. With engine_done_s and committed_s they split the tail after a unit's last request
-    STAMPS = ("captured_at", "prepared_at", "shard_written_at")
+    # prepared, its shard written. With engine_done_s and committed_s they split the tail after a unit's last request.
+    # A sample vLLM's connector wrote into a shard also has the connector's: the engine step that took its save, its
+    # copy on the host, its shard write done (shards.write_planned_capture's stamps)
+    STAMPS = ("captured_at", "prepared_at", "shard_written_at", "connector_step_at", "connector_copied_at",
+              "connector_written_at")
+    # the longest of them in a unit's line: the seconds the engine's step spent handing out its saves (the connector's
+    # gather, encoding and copies on the device: they should take the step's thread no time)
+    MAX_TIMINGS = ("connector_step_s",)
+    # and the earliest of these (the first engine step that finished one of the unit's samples)
+    FIRST_STAMPS = ("connector_step_at",)
 
     def __init__(self, dtype: str, num_threads: int):
         self.dtype = dtype
@@ -152,6 +160,10 @@ class CaptureWriter:
                 # A sample of a local planned shard is there already, written by vLLM's connector, which left a
                 # note of its norms; any other capture is read whole, and kept until its unit commits.
                 data = chat.load_capture(r, conv.capture_path)
+                if "stamps" in data:
+                    step_at, left_at, copied_at, written_at = data["stamps"].tolist()
+                    conv.timing.update(connector_step_at=step_at, connector_step_s=left_at - step_at,
+                                       connector_copied_at=copied_at, connector_written_at=written_at)
                 if conv.shard is not None and conv.shard[0].streamed:
                     r["num_tokens"] = data["norms"].shape[0]
                     conv.prepared = (shards.stats_from_norms(data["norms"], data["nonfinite"]), None)

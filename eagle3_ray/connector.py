@@ -27,6 +27,7 @@ Loaded by vLLM's worker processes through
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -102,6 +103,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         upload would wait for the copy stream to drain). Each sample's stored rows come down into a pinned buffer
         of its own (freed when its write is done), the step's norms into one."""
         assert self._kv_cache is not None
+        step_at = time.time()  # with the time this thread leaves, the note's stamps (shards.write_planned_capture)
         spans, start = [], 0
         for p in saves:
             spans.append((start, start + p.token_ids.shape[0]))
@@ -111,8 +113,10 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             # Advanced indexing copies, so the rows survive the blocks being freed right after this call; the
             # encoding and norms run on the writer threads, off the engine's.
             rows = extract_from_kv_cache(self._kv_cache, slots, start)
+            stamps = [step_at, time.time()]
             for p, (a, b) in zip(saves, spans):
-                self._submit(p, _DoneEvent(), planned=partial(shards.planned_capture, rows[a:b], p.shard))
+                self._submit(p, _DoneEvent(), planned=partial(shards.planned_capture, rows[a:b], p.shard),
+                             stamps=stamps)
             return
         copy_stream = self._get_copy_stream()
         ready = torch.cuda.Event()
@@ -126,8 +130,9 @@ class CaptureConnector(ExampleHiddenStatesConnector):
                      **{name: t[a:b] for name, t in norms.items()}} for a, b in spans]
         copy_done = torch.cuda.Event()
         copy_done.record(copy_stream)
+        stamps = [step_at, time.time()]
         for p, rows in zip(saves, host):
-            self._submit(p, copy_done, planned=partial(shards.planned_sample, rows, p.shard["key"]))
+            self._submit(p, copy_done, planned=partial(shards.planned_sample, rows, p.shard["key"]), stamps=stamps)
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         """The cache slots of a request's blocks, in token order (on the host)."""
@@ -148,10 +153,11 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._submit(pending, _DoneEvent(), rows=rows)
 
     def _submit(self, pending: PendingSave, done: Any, *, rows: torch.Tensor | None = None,
-                planned: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+                planned: Callable[[], dict[str, torch.Tensor]] | None = None, stamps: list[float] = ()) -> None:
         """Hand a capture to the parent's writer pool: `rows` [T, L, H] on the host for the parent's file (CPU
         engines), or `planned` making a planned sample's planned_capture on the host. The job waits for `done`,
-        writes, and releases the capture's lock, which wakes the engine actor's reader."""
+        writes, and releases the capture's lock, which wakes the engine actor's reader. A planned sample's note
+        gets `stamps` (when the engine step's thread took its save and went on) and when its copy was on the host."""
         token_ids = pending.token_ids.clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -159,7 +165,8 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         def write_planned() -> None:
             try:
                 done.synchronize()
-                shards.write_planned_capture(planned(), token_ids, pending.shard, pending.filename)
+                shards.write_planned_capture(planned(), token_ids, pending.shard, pending.filename,
+                                             [*stamps, time.time()])
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases LOCK_EX

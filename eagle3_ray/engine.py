@@ -267,8 +267,10 @@ class EngineActor:
         # seconds since this engine was ready: when the unit arrived, got its bytes, sent its requests, finished them,
         # its last capture was readable / prepared / in its shard (last_captured_s ..), committed; then the writer
         # threads' seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
-        stamps = {f"last_{k.removesuffix('_at')}_s": max(c.timing[k] for c in convs if k in c.timing)
-                  for k in commit.CaptureWriter.STAMPS if any(k in c.timing for c in convs)}
+        stamps = {f"{which}_{k.removesuffix('_at')}_s": pick(c.timing[k] for c in convs if k in c.timing)
+                  for which, pick, keys in (("first", min, commit.CaptureWriter.FIRST_STAMPS),
+                                            ("last", max, commit.CaptureWriter.STAMPS))
+                  for k in keys if any(k in c.timing for c in convs)}
         telemetry.log("generate", "unit_committed", unit=unit_id, samples=len(samples),
                       requests_finished=self.requests.num_finished,
                       **{k: round(t - self.ready_time, 3) for k, t in (("arrived_s", arrived), ("started_s", start),
@@ -276,7 +278,9 @@ class EngineActor:
                                                                      ("requests_done_s", sent.get("finished", start)),
                                                                      ("engine_done_s", engine_done), *stamps.items(),
                                                                      ("committed_s", time.time()))},
-                      **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS})
+                      **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS},
+                      **{f"max_{k}": round(max(c.timing[k] for c in convs if k in c.timing), 3)
+                         for k in commit.CaptureWriter.MAX_TIMINGS if any(k in c.timing for c in convs)})
         return rows
 
     def _run_conversations(self, unit_id: str, samples: list[dict[str, Any]], stamps: dict,

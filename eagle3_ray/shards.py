@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import time
 import uuid
 from typing import Callable
 
@@ -34,7 +35,7 @@ from eagle3_ray import storage
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # safetensors' header names of the dtypes shards hold (its format: 8-byte little-endian header length, the JSON
 # header {name: {dtype, shape, data_offsets [begin, end) into the payload}, "__metadata__": {...}}, the payload)
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                       "F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64}
 
 MANIFEST_SCHEMA = pa.schema([
@@ -279,13 +280,16 @@ def stream_target(stream: dict, num_tokens: int, used: dict[str, int]) -> dict:
 
 
 def write_planned_capture(tensors: dict[str, torch.Tensor], token_ids: torch.Tensor, target: dict,
-                          note_path: str) -> None:
+                          note_path: str, stamps: list[float] = ()) -> None:
     """The connector's write of a planned_capture (host tensors): the stored tensors into their place in the shard,
     then a note of a few KB at the request's capture path (`token_ids` [T], `norms` [T, L], `nonfinite` [L], and an
     open shard's `place` [2]: stream_target's) for the engine actor's writer, which checks it instead of reading the
-    capture back (commit.CaptureWriter)."""
+    capture back (commit.CaptureWriter). `stamps` (the connector's times, time.time()) go into the note as `stamps`
+    with the time the shard write ended after them."""
     write_at(target["file"], {name: tensors[name] for name in target["ranges"]}, target["ranges"])
     note = {"token_ids": token_ids, "norms": tensors["norms"], "nonfinite": tensors["nonfinite"]}
+    if stamps:
+        note["stamps"] = torch.tensor([*stamps, time.time()], dtype=torch.float64)
     if "place" in target:
         note["place"] = torch.tensor(target["place"], dtype=torch.int64)
     save_file(note, note_path)
