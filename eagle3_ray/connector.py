@@ -61,11 +61,22 @@ class ShardSave(PendingSave):
 
 
 class CaptureConnector(ExampleHiddenStatesConnector):
+    """On GPU a planned sample's stored rows come down into a piece of one pinned arena reserved when the KV caches
+    are registered (`pinned_buffer_bytes` of the extra config, shards.HostArena); the piece goes back once the
+    sample is written, and a sample that does not fit gets fresh pinned memory, as in vLLM's connector."""
+
     _saved_by_step: frozenset[str] = frozenset()  # req ids of this step's planned saves (get_finished)
+    _arena: shards.HostArena | None = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._stream_used: dict[str, int] = {}  # scheduler side: payload bytes given out per open shard file
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        super().register_kv_caches(kv_caches)
+        num_bytes = int(self._kv_transfer_config.get_from_extra_config("pinned_buffer_bytes", 0))
+        if self._is_tp_rank_zero and self._kv_cache.is_cuda and num_bytes:
+            self._arena = shards.HostArena(num_bytes, pin_memory=True)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side: the parent's pending save, carrying the request's shard target to the worker: a prefill
@@ -126,13 +137,35 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             slots = slots.pin_memory().to(device=self._kv_cache.device, non_blocking=True)
             step = shards.planned_rows(extract_from_kv_cache(self._kv_cache, slots, start), dtype)
             norms = {name: pinned_copy(step.pop(name)) for name in ("norms", "nonfinite")}
-            host = [{**{name: pinned_copy(t[a:b]) for name, t in step.items()},
-                     **{name: t[a:b] for name, t in norms.items()}} for a, b in spans]
+            host, releases = [], []
+            for a, b in spans:
+                rows, pieces = {}, []
+                for name, t in step.items():
+                    rows[name] = self._host_copy(t[a:b], pieces)
+                host.append({**rows, **{name: t[a:b] for name, t in norms.items()}})
+                releases.append(pieces)
         copy_done = torch.cuda.Event()
         copy_done.record(copy_stream)
         stamps = [step_at, time.time()]
-        for p, rows in zip(saves, host):
-            self._submit(p, copy_done, planned=partial(shards.planned_sample, rows, p.shard["key"]), stamps=stamps)
+        for p, rows, pieces in zip(saves, host, releases):
+            self._submit(p, copy_done, planned=partial(shards.planned_sample, rows, p.shard["key"]), stamps=stamps,
+                         release=partial(self._give_back, pieces))
+
+    def _host_copy(self, t: torch.Tensor, pieces: list) -> torch.Tensor:
+        """A copy of device tensor `t` on the host, on the current stream, not waited for: into a piece of the
+        arena (added to `pieces`, given back once the sample is written), or fresh pinned memory."""
+        num_bytes = t.numel() * t.element_size()
+        got = self._arena.take(num_bytes) if self._arena is not None else None
+        if got is None:
+            return pinned_copy(t)
+        pieces.append((got[0], num_bytes))
+        host = got[1].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _give_back(self, pieces: list) -> None:
+        for start, num_bytes in pieces:
+            self._arena.give(start, num_bytes)
 
     def _slot_mapping(self, block_ids: list[int]) -> torch.Tensor:
         """The cache slots of a request's blocks, in token order (on the host)."""
@@ -153,11 +186,13 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._submit(pending, _DoneEvent(), rows=rows)
 
     def _submit(self, pending: PendingSave, done: Any, *, rows: torch.Tensor | None = None,
-                planned: Callable[[], dict[str, torch.Tensor]] | None = None, stamps: list[float] = ()) -> None:
+                planned: Callable[[], dict[str, torch.Tensor]] | None = None, stamps: list[float] = (),
+                release: Callable[[], None] | None = None) -> None:
         """Hand a capture to the parent's writer pool: `rows` [T, L, H] on the host for the parent's file (CPU
         engines), or `planned` making a planned sample's planned_capture on the host. The job waits for `done`,
-        writes, and releases the capture's lock, which wakes the engine actor's reader. A planned sample's note
-        gets `stamps` (when the engine step's thread took its save and went on) and when its copy was on the host."""
+        writes, releases the capture's lock, which wakes the engine actor's reader, and calls `release` (the
+        host memory it wrote from can go). A planned sample's note gets `stamps` (when the engine step's thread
+        took its save and went on) and when its copy was on the host."""
         token_ids = pending.token_ids.clone()
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
@@ -170,6 +205,8 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases LOCK_EX
+                if release is not None:
+                    release()
 
         if planned is None:  # the parent's write: the whole capture as one file
             tensors = {"hidden_states": rows, "token_ids": token_ids}

@@ -62,7 +62,8 @@ def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": scratch_dir, "allow_custom_save_path": True}}
+            "kv_connector_extra_config": {"shared_storage_path": scratch_dir, "allow_custom_save_path": True,
+                                          "pinned_buffer_bytes": gen.pinned_buffer_bytes}}
     if gen.tensor_parallel_size > 1:
         # GPU: workers are Ray actors inside the replica's placement group (captured from the engine actor). vLLM's
         # CPU build refuses the Ray executor ("current platform cpu does not support ray"): its TP workers are

@@ -450,6 +450,41 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
     assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
 
 
+def test_the_connectors_host_arena_lends_pieces_that_never_overlap_and_merge_back_when_given_back():
+    """shards.HostArena, the connector's pinned copy target on GPU (here unpinned): pieces lent at once never share
+    a byte, whatever order they come back in; a piece larger than every free range is refused (None: the connector
+    then takes fresh pinned memory); once all are back the arena is one free range again."""
+    import random
+
+    page = shards.HostArena.PAGE_BYTES
+    arena = shards.HostArena(64 * page, pin_memory=False)
+    rng = random.Random(0)
+    lent: dict[int, tuple[int, torch.Tensor]] = {}
+    for _ in range(400):
+        if lent and (rng.random() < 0.45 or len(lent) > 12):
+            start = rng.choice(sorted(lent))
+            num_bytes, piece = lent.pop(start)
+            assert bool((piece == start % 251).all()), "another piece wrote into this one"
+            arena.give(start, num_bytes)
+            continue
+        num_bytes = rng.randint(1, 9 * page)
+        got = arena.take(num_bytes)
+        if got is None:  # refused only when no free range holds it
+            assert all(end - begin < num_bytes for begin, end in arena.free)
+            continue
+        start, piece = got
+        assert piece.numel() == num_bytes and start % page == 0
+        piece.fill_(start % 251)
+        lent[start] = (num_bytes, piece)
+    assert arena.take(65 * page) is None
+    for start, (num_bytes, _) in list(lent.items()):
+        arena.give(start, num_bytes)
+    assert arena.free == [[0, 64 * page]]
+    start, piece = arena.take(100)
+    with pytest.raises(AssertionError, match="given back twice"):
+        arena.give(start, 100), arena.give(start, 100)
+
+
 def test_a_capture_file_read_whole_holds_what_the_connector_wrote(tmp_path):
     """shards.read_safetensors reads a connector file (safetensors' own save_file, as vLLM's connector writes it):
     the same tensors and dtypes; a cut-off file names itself."""
