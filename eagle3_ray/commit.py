@@ -319,15 +319,19 @@ class ShardPlan:
         except BaseException as e:  # raised by the unit's commit
             self._fail(e)
             return
+        convs, start = self.groups[j], time.monotonic()
         with self.lock:
             self.left[j] -= 1
             if self.left[j] or self.error is not None:
                 return
-        convs = self.groups[j]
-        start = time.monotonic()
+            if self.streamed:  # moved into place under the lock: abort() finds it in place and removes it, or never
+                try:
+                    self.written[self.names[j]] = self.files[j].finish()
+                except BaseException as e:
+                    self.error = self.error or e
+                    return
         try:
             if self.streamed:
-                num_bytes = self.files[j].finish()
                 hs = {name: (dtype, shape[2]) for name, dtype, shape in self.layouts[j] if name.endswith(".hs")}
                 for c in convs:
                     self.sink.stored(self.names[j], c.record, c.prepared[0], *hs[f"{c.record['id']}.hs"])
@@ -335,11 +339,11 @@ class ShardPlan:
                 num_bytes = self.sink.write_shard(self.names[j], [c.record for c in convs],
                                                   {c.record["id"]: c.prepared[1] for c in convs},
                                                   {c.record["id"]: c.prepared[0] for c in convs})
+                with self.lock:
+                    self.written[self.names[j]] = num_bytes
         except BaseException as e:
             self._fail(e)
             return
-        with self.lock:
-            self.written[self.names[j]] = num_bytes
         last = convs[-1].timing
         last.update(shard_write_s=time.monotonic() - start, shard_written_at=time.time())
         for c in convs:
@@ -357,12 +361,13 @@ class ShardPlan:
         return self.written
 
     def abort(self) -> None:
-        """The unit failed: remove the shard files not moved into place (a connector still writing a sample fails
-        to open its file and logs that instead)."""
+        """The unit failed: remove its local shard files, moved into place or not (no part file names them; a
+        connector still writing a sample fails to open its file and logs that instead), and finish no more of
+        them. (A failed unit's shards uploaded whole to an object store are left to the stage's orphan sweep.)"""
         with self.lock:
-            files = [f for name, f in zip(self.names, self.files) if name not in self.written]
-        for f in files:
-            f.abort()
+            self.error = self.error or RuntimeError(f"generate: unit {self.unit_id} failed")
+            for f in self.files:
+                f.abort()
 
 
 class ShardStream:
@@ -446,10 +451,9 @@ class ShardStream:
         return self.written
 
     def abort(self) -> None:
-        """The unit failed: remove the shard files not moved into place."""
-        for name, file in zip(self.names, self.files):
-            if name not in self.written:
-                file.abort()
+        """The unit failed: remove its shard files, moved into place or not (no part file names them)."""
+        for file in self.files:
+            file.abort()
 
 
 class GeneratedSink:

@@ -252,11 +252,16 @@ class StreamedShard:
         with safe_open(self.tmp, framework="pt"):
             pass  # safetensors rejects a header whose offsets do not cover the payload exactly
         os.replace(self.tmp, self.path)
+        self.finished = True
         return self.size
 
+    finished = False
+
     def abort(self) -> None:
-        if os.path.exists(self.tmp):
-            os.remove(self.tmp)
+        """Remove the file, finished (its unit failed after it was moved into place) or not."""
+        for path in (self.tmp, self.path) if self.finished else (self.tmp,):
+            if os.path.exists(path):
+                os.remove(path)
 
 
 def write_at(path: str, tensors: dict[str, torch.Tensor], ranges: dict[str, list[int]]) -> None:
