@@ -13,8 +13,8 @@ request (`pin_memory=True requires a CUDA ... backend`). This subclass keeps eve
   (shards.planned_rows; on GPU on the copy stream, before the copy to the host, with nothing on the engine's thread
   waiting for the GPU), the stored bytes go into the shard's temp file at their offsets, and the request's capture
   path gets a note of a few KB (token ids, norms, a generate sample's place) instead of the hidden states
-  (shards.write_planned_capture). The hidden states are written
-  once, into the shard, and the engine actor reads only the note.
+  (shards.write_planned_capture). The hidden states are written once, into the shard, and the engine actor reads
+  only the note.
 
 Every request captures: a request that opted out (freeing its blocks at once) was still reported as sent by the
 worker side, which vLLM 0.24's scheduler asserts on (`req_id in self.requests`) on GPU. Turn-by-turn regeneration
@@ -111,8 +111,9 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         other). On a GPU the encoding, row norms and non-finite counts run once for all of them too, on the copy
         stream, which waits for the step's forward pass on the device, not on the host: the slot mapping goes up
         from pinned memory, so nothing here waits for the GPU and the engine's thread goes on at once (a pageable
-        upload would wait for the copy stream to drain). Each sample's stored rows come down into a pinned buffer
-        of its own (freed when its write is done), the step's norms into one."""
+        upload would wait for the copy stream to drain). Each sample's stored rows come down into a piece of the
+        pinned arena (given back when its write is done; fresh pinned memory when the arena is lent out), the
+        step's norms into one pinned tensor."""
         assert self._kv_cache is not None
         step_at = time.time()  # with the time this thread leaves, the note's stamps (shards.write_planned_capture)
         spans, start = [], 0
