@@ -437,7 +437,11 @@ def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) ->
     return hs.to(dtype)
 
 
-NORM_CHUNK_VALUES = 1 << 18  # capture_norms' rows at a time on the CPU, in values (1 MB of fp32)
+# capture_norms' rows at a time on the CPU, in values: under ATen's grain size (32768), so each chunk's reduction runs
+# on the calling thread without an OpenMP team. vLLM's connector runs it in threads of vLLM's CPU worker, whose own
+# OpenMP threads hold the cores for the forward pass: with 1 MB chunks the teams those threads started slowed the
+# stage's decode by 16% (tiny verifier, 2 cores, 1024 output tokens).
+NORM_CHUNK_VALUES = (1 << 15) - 1
 
 
 def capture_norms(hidden_states: torch.Tensor, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -445,9 +449,9 @@ def capture_norms(hidden_states: torch.Tensor, per_row: bool = False) -> tuple[t
     every token row [T, L] and the NaN/inf values per layer [L] (int64; [T, L] per token row with `per_row`). The row
     norm is 0 exactly for a zero row and non-finite exactly for a row holding NaN/inf (hidden states are far below
     fp32's overflow of a squared bf16), so on the CPU the values are counted only in the rare rows that are, and the
-    norms go through the sample a few token rows at a time (about 1 MB of fp32 each: the same values as one call, in
-    half the time, its fp32 copy staying in cache). On a GPU (vLLM's connector, before its copy to the host) both are
-    whole-tensor kernels, with no sync."""
+    norms go through the sample a few token rows at a time (NORM_CHUNK_VALUES: the same values as one call, each
+    chunk's fp32 copy staying in cache, no OpenMP team). On a GPU (vLLM's connector, before its copy to the host)
+    both are whole-tensor kernels, with no sync."""
     if hidden_states.is_cuda:
         norms = torch.linalg.vector_norm(hidden_states, dim=-1, dtype=torch.float32)
         nonfinite = (~torch.isfinite(hidden_states)).sum(dim=2)  # shape: [T, L]

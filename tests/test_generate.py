@@ -361,9 +361,9 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
 def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
     """capture_stats walks a sample a few token rows at a time (NORM_CHUNK_VALUES): its numbers are those of one fp32
     norm over the whole sample, with zero rows, NaN and inf placed across chunk boundaries."""
-    hs = (torch.randn(100, 4, 4096) * 3).to(torch.bfloat16)  # 8B-shaped rows: 16 token rows a chunk, 7 chunks
-    hs[15:18, 2] = 0  # zero rows across the first chunk boundary
-    hs[31, 0, 7], hs[32, 3, 1], hs[99, 1, 0] = float("nan"), float("inf"), float("-inf")
+    hs = (torch.randn(100, 4, 1024) * 3).to(torch.bfloat16)  # 7 token rows a chunk, 15 chunks
+    hs[6:9, 2] = 0  # zero rows across the first chunk boundary
+    hs[13, 0, 7], hs[14, 3, 1], hs[99, 1, 0] = float("nan"), float("inf"), float("-inf")
     norms = torch.linalg.vector_norm(hs, dim=-1, dtype=torch.float32)  # shape: [T, L]
     finite = torch.isfinite(norms)
     stats = shards.capture_stats(hs)
