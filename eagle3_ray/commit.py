@@ -310,7 +310,7 @@ class ShardPlan:
                     convs[i].transfer_params["shard"] = {"file": self.files[j].tmp, "key": convs[i].record["id"],
                                                          "dtype": dtype, "ranges": self.files[j].ranges(names)}
 
-    def prepared(self, j: int, conv: Any, capture: dict) -> None:
+    def prepared(self, j: int, conv: Any, note: dict) -> None:
         """`conv`, a sample of shard j, is prepared (its writer thread, under the conversation's prepare lock): in a
         streamed shard its tensors are in place already, written by the connector."""
         try:
@@ -440,8 +440,9 @@ class ShardStream:
                 if offset != end:  # a sample placed here whose note never came, or a place given twice
                     raise RuntimeError(f"generate: shard {name}: sample {conv.record['id']} is at payload byte "
                                        f"{offset}, the samples before it end at {end}")
-                layout += self._layout(conv.record["id"], conv.record["num_tokens"])
-                end = offset + shards.layout_bytes(self._layout("", conv.record["num_tokens"]))
+                sample = self._layout(conv.record["id"], conv.record["num_tokens"])
+                layout += sample
+                end = offset + shards.layout_bytes(sample)
             self.written[name] = file.finish(layout)
             for _, conv in placed:
                 self.sink.stored(name, conv.record, conv.prepared[0], layout[0][1], self.hidden_size)

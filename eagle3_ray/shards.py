@@ -90,6 +90,15 @@ def sample_layout(key: str, num_tokens: int, num_layers: int, hidden_size: int, 
     raise ValueError(f"hidden_states_dtype must be 'bfloat16' or 'fp8', got {dtype!r}")
 
 
+def layout_ranges(layout: list[tuple], start: int = 0) -> dict[str, tuple[int, int]]:
+    """[begin, end) of each tensor of a sample_layout laid out one after the other from `start`."""
+    ranges = {}
+    for name, dtype, shape in layout:
+        ranges[name] = (start, start + layout_bytes([(name, dtype, shape)]))
+        start = ranges[name][1]
+    return ranges
+
+
 def layout_bytes(layout: list[tuple]) -> int:
     """Bytes of the tensors a sample_layout lists."""
     return sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
@@ -174,13 +183,9 @@ def safetensors_header(layout: list[tuple[str, torch.dtype, list[int]]], metadat
     each tensor's [begin, end) in the payload."""
     names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    payload_ranges: dict[str, tuple[int, int]] = {}
-    offset = 0
+    payload_ranges = layout_ranges(layout)
     for name, dtype, shape in layout:
-        end = offset + layout_bytes([(name, dtype, shape)])
-        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
-        payload_ranges[name] = (offset, end)
-        offset = end
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": list(payload_ranges[name])}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     room = 8 + len(encoded) + (-len(encoded) % 8) if size is None else size
     if room < 8 + len(encoded):
@@ -210,7 +215,7 @@ class StreamedShard:
 
     def __init__(self, uri: str, layout: list[tuple[str, torch.dtype, list[int]]],
                  metadata: dict[str, str] | None = None, header_at_finish: bool = False):
-        self.metadata = metadata
+        self.metadata, self.finished = metadata, False
         header, payload_ranges = safetensors_header(layout, metadata)
         self.payload_start = len(header)
         # each tensor's [begin, end) in the file (a planned shard's; an open shard's come from stream_target)
@@ -254,8 +259,6 @@ class StreamedShard:
         os.replace(self.tmp, self.path)
         self.finished = True
         return self.size
-
-    finished = False
 
     def abort(self) -> None:
         """Remove the file, finished (its unit failed after it was moved into place) or not."""
@@ -320,10 +323,7 @@ def stream_target(stream: dict, num_tokens: int, used: dict[str, int]) -> dict:
     file = stream["files"][index]
     offset = used.get(file, 0)
     used[file] = offset + layout_bytes(layout)
-    ranges, begin = {}, stream["payload_start"] + offset
-    for name, dtype, shape in layout:
-        ranges[name] = [begin, begin + layout_bytes([(name, dtype, shape)])]
-        begin = ranges[name][1]
+    ranges = {name: list(r) for name, r in layout_ranges(layout, stream["payload_start"] + offset).items()}
     return {"file": file, "key": stream["key"], "dtype": stream["dtype"], "ranges": ranges, "place": [index, offset]}
 
 
