@@ -9,6 +9,13 @@ shards itself.
     python3 bench/bench_writer.py --hidden 4096 --layers 4 --threads 1,4,8,16 --out-dir /tmp/writer_bench   # 8B-shaped
 
 Rows: GB/s of captured bf16 bytes for each step alone and for the whole path, per thread count.
+
+    .venv/bin/python bench/bench_writer.py --notes 200 --threads 8
+
+`--notes N`: the pickup of N notes of samples the connector wrote into their shards (as the actor's writer threads
+take them: wait for the note's lock, read and check it, stats from its norms) on `--threads` threads beside one thread
+running Python (as vLLM's output handler does on the actor's event loop), at Python's default GIL switch interval and
+at the engine actor's (engine.GIL_SWITCH_INTERVAL_S), alternating, three rounds: ms per note.
 """
 
 from __future__ import annotations
@@ -17,14 +24,17 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors.torch import save_file
 
-from eagle3_ray import shards
+from eagle3_ray import chat, shards
+from eagle3_ray.engine import GIL_SWITCH_INTERVAL_S
 
 
 def main() -> None:
@@ -37,7 +47,10 @@ def main() -> None:
     p.add_argument("--scratch", default="/dev/shm", help="where the connector's per-request files go")
     p.add_argument("--out-dir", default="/tmp/writer_bench", help="where shards go (the run dir's disk)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--notes", type=int, default=0, help="time the pickup of this many notes instead")
     args = p.parse_args()
+    if args.notes:
+        return note_pickup(args)
     hs = torch.randn(args.tokens, args.layers, args.hidden).to(torch.bfloat16)
     tokens = torch.arange(args.tokens)
     gb = args.samples * hs.numel() * 2 / 1e9
@@ -84,6 +97,55 @@ def main() -> None:
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+def note_pickup(args) -> None:
+    threads = int(args.threads.split(",")[-1])
+    scratch = tempfile.mkdtemp(dir=args.scratch, prefix="writer-bench-")
+    ids = list(range(args.tokens))
+    note = {"token_ids": torch.tensor(ids, dtype=torch.int32), "norms": torch.rand(args.tokens, args.layers),
+            "nonfinite": torch.zeros(args.layers, dtype=torch.int64), "stamps": torch.zeros(4, dtype=torch.float64)}
+
+    def pickup(i: int | str) -> None:  # as commit.CaptureWriter._prepare takes a planned or streamed sample's note
+        path = f"{scratch}/{i}.safetensors"
+        chat.wait_for_capture(path)
+        data = chat.load_capture({"id": str(i), "input_ids": ids, "_num_captured": args.tokens}, path)
+        shards.stats_from_norms(data["norms"], data["nonfinite"])
+
+    stop = threading.Event()
+
+    def python_loop() -> None:
+        while not stop.is_set():
+            sum(range(10_000))
+
+    save_file(note, f"{scratch}/warm.safetensors")  # imports (vLLM's file clean-up) before the clock starts
+    open(f"{scratch}/warm.safetensors.lock", "w").close()
+    pickup("warm")
+    rows, default = [], sys.getswitchinterval()
+    for round_ in range(3):
+        for interval in (default, GIL_SWITCH_INTERVAL_S):
+            for i in range(args.notes):
+                save_file(note, f"{scratch}/{i}.safetensors")
+                open(f"{scratch}/{i}.safetensors.lock", "w").close()
+            sys.setswitchinterval(interval)
+            stop.clear()
+            busy = threading.Thread(target=python_loop)
+            busy.start()
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                list(pool.map(pickup, range(args.notes)))
+            wall = time.perf_counter() - start
+            stop.set()
+            busy.join()
+            rows.append({"round": round_, "switch_interval_ms": interval * 1e3, "threads": threads,
+                         "notes": args.notes, "wall_s": wall, "ms_per_note": wall / args.notes * 1e3})
+            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+                  flush=True)
+    sys.setswitchinterval(default)
+    shutil.rmtree(scratch, ignore_errors=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

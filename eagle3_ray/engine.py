@@ -28,6 +28,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -45,6 +46,12 @@ START_ERROR = "generate: the vLLM engine failed to start"
 # does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
 CONNECTOR_NAME = "CaptureConnector"
 CONNECTOR_MODULE = "eagle3_ray.connector"
+# The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
+# short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
+# the request coroutines run Python on the actor's event loop; every step back waits for the holder's interval to
+# run out, so at 5 ms a capture note took milliseconds, not the 0.3 ms it costs alone, and a decode step that finished
+# hundreds of samples left a tail of notes after it (bench/bench_writer.py --gil measures it).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def engine_kwargs(cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str,
@@ -190,6 +197,7 @@ class EngineActor:
         from transformers import AutoTokenizer
 
         self.start_time = time.time()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.cfg = config_from_dict(cfg_dict)
         verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
         self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
