@@ -1,6 +1,7 @@
 """The generate stage against the vLLM engine it wraps, on identical prompts, in one call.
 
     python3 bench/gpu/generate_bench.py /tmp/verifiers/llama3-8b --out-lens 256,2048 --out $OUT/generate_bench.json
+    python3 bench/gpu/generate_bench.py --summary $OUT/generate_bench.jsonl   # one line per row, a stage's tail
     .venv/bin/python bench/gpu/generate_bench.py --tiny --out /tmp/generate_bench/result.json   # CPU rehearsal
 
 Prompts: the first turn (system + user) of `tiny_prompts` (the 200 builtin prompts), greedy, ignore_eos, so every
@@ -242,6 +243,26 @@ def unit_log(log: str) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("committed_s", 0.0))
 
 
+TAIL = ("requests_done_s", "last_connector_written_s", "last_captured_s", "last_prepared_s", "committed_s")
+
+
+def summary(path: str) -> str:
+    """The rows of a results file (.jsonl, as measured) one line each: rate, engine start, wall; under a stage row
+    its tail after the first engine was ready (the latest over its units: last request out, last capture written by
+    the connector, picked up by the actor's writers, prepared, committed) and the writers' seconds summed."""
+    lines = []
+    for row in map(json.loads, Path(path).read_text().splitlines()):
+        lines.append(f"{row['mode']:<20}{row['out_len']:>6}{row['tokens_per_s']:>10.0f} tok/s  wall "
+                     f"{row['wall_s']:.2f} s  engine start {row.get('engine_start_s')}")
+        units = row.get("unit_log") or []
+        if units:
+            tail = " ".join(f"{k} {max(u.get(k) or 0 for u in units):.3f}" for k in TAIL)
+            spent = " ".join(f"{k} {sum(u.get(k) or 0 for u in units):.3f}" for k in ("capture_wait_s", "prepare_s"))
+            lines.append(f"    {len(units)} units: {tail}; summed {spent}; longest connector step "
+                         f"{max(u.get('max_connector_step_s') or 0 for u in units):.3f} s")
+    return "\n".join(lines)
+
+
 def ratios(results: list[dict], out_len: int) -> dict:
     """Target ratios between modes; a mode measured several times (--repeats) counts with its median run."""
     runs: dict[str, list[dict]] = {}
@@ -302,8 +323,12 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=1, help="measure every mode this many times; ratios use medians")
     p.add_argument("--work", default="/tmp/generate_bench")
     p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--summary", metavar="JSONL", help="print the rows of a results file (--out's .jsonl) and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.summary:
+        print(summary(args.summary))
+        sys.exit(0)
     if args.tiny and not args.model:
         from eagle3_ray.tiny_verifier import build_tiny_verifier
 
