@@ -14,7 +14,8 @@ time) and prints one `RESULT {json}` line:
                   plain run's responses as the conversations' answers, templated as the stage's planner does
                   (the random verifier's text does not re-encode token for token, so its raw sequences would not do)
   stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
-Rates exclude engine start (reported apart): engine rows time the generate() call and the capture files being
+Rates exclude engine start (reported apart; an engine row's counts from before `import vllm`, as the stage's engine
+actor's does, with `vllm_import_s` the import's share): engine rows time the generate() call and the capture files being
 complete (`generate_s`: the call alone, files maybe still on their way); stage rows time from the first engine ready
 (engines/*.json) to the last commit (parts/*.parquet), less the capture engine's start in two_pass; `total_wall_s`
 is the stage's own wall, starts included.
@@ -70,16 +71,18 @@ def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
 
 
 def engine_child(args, mode: str, out_len: int) -> dict:
-    """plain / capture / prefill through vllm.LLM with the stage's own engine arguments."""
+    """plain / capture / prefill through vllm.LLM with the stage's own engine arguments. Engine start counts from
+    before vLLM is imported, as the stage's does (its engine actor imports vLLM when it starts the engine)."""
+    t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
+    import_s = time.perf_counter() - t0
     from eagle3_ray.engine import engine_kwargs, scratch_dir
     from eagle3_ray.generate_output import capture_contract
 
     cfg = make_cfg(args, args.work, "generate", out_len)
     contract = capture_contract(cfg, args.model)
     scratch = scratch_dir(cfg, f"bench-{mode}")  # where the stage's engine writes: /dev/shm when it has room
-    t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=mode != "plain"))
     start_s = time.perf_counter() - t0
     _, prompts = prompt_ids(args)
@@ -102,7 +105,8 @@ def engine_child(args, mode: str, out_len: int) -> dict:
         Path(args.work, f"plain-{out_len}-sequences.json").write_text(json.dumps(seqs))
     shutil.rmtree(scratch, ignore_errors=True)
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "wall_s": wall_s, "generate_s": generate_s,
+    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "vllm_import_s": import_s, "wall_s": wall_s,
+            "generate_s": generate_s,
             "scratch_dirs": [os.path.dirname(scratch)],
             "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
             "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s}
@@ -252,6 +256,9 @@ def summary(path: str) -> str:
     the connector, picked up by the actor's writers, prepared, committed) and the writers' seconds summed."""
     lines = []
     for row in map(json.loads, Path(path).read_text().splitlines()):
+        if "error" in row:
+            lines.append(f"{row['mode']:<20}{row['out_len']:>6}  failed: {row['error']}")
+            continue
         lines.append(f"{row['mode']:<20}{row['out_len']:>6}{row['tokens_per_s']:>10.0f} tok/s  wall "
                      f"{row['wall_s']:.2f} s  engine start {row.get('engine_start_s')}")
         units = row.get("unit_log") or []
