@@ -76,3 +76,53 @@ def test_capture_check_names_the_tokens_that_hold_another_positions_state(tiny_m
     assert found["count"] == 16 and (found["first"], found["last"]) == (48, 63)
     assert found["best_match_offsets"] == [-32] * 16 and max(found["best_match_rel_error"]) < 1e-4
     assert bad_tokens(ref, ref) == {"count": 0}
+
+
+def test_cpu_shares_name_processes_by_what_they_are_not_by_what_they_run_now():
+    from cpu_shares import process_name
+
+    assert process_name(["ray::MapWorker(MapBatches(EngineActor)).submit"], "ray::MapWorker(") == \
+        "ray::MapWorker(MapBatches(EngineActor))"
+    assert process_name(["ray::ActorLocationTracker.get_actor_locations"], "x") == "ray::ActorLocationTracker"
+    assert process_name(["ray::_StatsActor      "], "x") == "ray::_StatsActor"
+    assert process_name(["VLLM::EngineCore        "], "x") == "VLLM::EngineCore"
+    assert process_name(["/venv/bin/python3", "-u", "/site/ray/_private/log_monitor.py", "--x"], "x") == \
+        "log_monitor.py"
+    assert process_name(["/venv/bin/python", "-B", "-c", "from multiprocessing.spawn import spawn_main"], "x") == \
+        "python -c"
+    assert process_name(["/venv/bin/python", "-m", "pytest", "-q"], "x") == "python -m pytest"
+    assert process_name(["/site/ray/core/src/ray/raylet/raylet", "--flag"], "raylet") == "raylet"
+    assert process_name([], "kworker/0:1") == "kworker/0:1"
+
+
+def test_cpu_shares_average_cores_per_name_over_the_window_and_count_late_starters_from_zero():
+    from cpu_shares import cores
+
+    snapshots = [
+        (9.0, {1: ("driver", 0.5)}),  # before the window
+        (10.0, {1: ("driver", 1.0), 2: ("VLLM::Worker", 5.0), 3: ("ray::A", 1.0), 4: ("ray::A", 2.0)}),
+        (12.0, {1: ("driver", 1.2), 2: ("VLLM::Worker", 8.0), 3: ("ray::A", 1.2), 4: ("ray::A", 2.2),
+                5: ("late", 0.4)}),
+        (14.0, {1: ("driver", 1.4), 2: ("VLLM::Worker", 11.0), 3: ("ray::A", 1.4), 4: ("ray::A", 2.4),
+                5: ("late", 1.0)}),
+        (15.0, {1: ("driver", 9.0)}),  # after it
+    ]
+    got = cores(snapshots, 10.0, 14.5, top=3)
+    assert got == {"window_s": 4.0, "total": (0.4 + 6.0 + 0.8 + 1.0) / 4, "VLLM::Worker": 1.5, "late": 0.25,
+                   "ray::A": 0.2}
+    assert cores(snapshots, 10.0, 11.0) == {}
+
+
+def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
+    import subprocess
+    import time
+
+    from cpu_shares import CpuSampler
+
+    script = tmp_path / "spin.py"
+    script.write_text("import time\nend = time.time() + 3\nwhile time.time() < end:\n    pass\n")
+    sampler = CpuSampler(interval_s=0.5)
+    start = time.time()
+    subprocess.run([sys.executable, str(script)], check=True)
+    got = sampler.cores(start, time.time())
+    assert got["spin.py"] > 0.2 and got["total"] >= got["spin.py"]

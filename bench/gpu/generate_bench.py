@@ -18,7 +18,8 @@ Rates exclude engine start (reported apart; an engine row's counts from before `
 actor's does, with `vllm_import_s` the import's share): engine rows time the generate() call and the capture files being
 complete (`generate_s`: the call alone, files maybe still on their way); stage rows time from the first engine ready
 (engines/*.json) to the last commit (parts/*.parquet), less the capture engine's start in two_pass; `total_wall_s`
-is the stage's own wall, starts included.
+is the stage's own wall, starts included. `--cpu-shares` adds each row's `cpu_cores`: where the machine's cores went
+over the measured window (two_pass: its regeneration), per process of the measurement's tree (bench/gpu/cpu_shares.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
 from eagle3_ray.config import config_from_dict  # noqa: E402
 
+SAMPLER = None  # --cpu-shares: the child's cpu_shares.CpuSampler
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
 
@@ -94,11 +96,12 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=1 if mode == "prefill" else out_len,
                              ignore_eos=mode != "prefill", extra_args=None if mode == "plain" else extra)
               for extra in capture]
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     generate_s = time.perf_counter() - t0  # the last request is out; its capture file may still be on its way
     num_bytes = 0 if mode == "plain" else files_complete(paths)
     wall_s = time.perf_counter() - t0
+    cpu = {"cpu_cores": SAMPLER.cores(started, time.time())} if SAMPLER else {}
     out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
     if mode == "plain":
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
@@ -109,7 +112,7 @@ def engine_child(args, mode: str, out_len: int) -> dict:
             "generate_s": generate_s,
             "scratch_dirs": [os.path.dirname(scratch)],
             "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
-            "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s}
+            "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, **cpu}
 
 
 def files_complete(paths: list[str]) -> int:
@@ -145,8 +148,11 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     ready = {e["kind"]: min(x["ready_time"] for x in engines if x["kind"] == e["kind"]) for e in engines}
     if mode == "two_pass":  # regeneration: plain engine ready -> its last unit back; capture: ready -> last part
         wall_s = summary["run_first_pass"]["end_time"] - ready["plain"] + last_commit - ready["prefill"]
+        window = (ready["plain"], summary["run_first_pass"]["end_time"])  # --cpu-shares: the regeneration
     else:
         wall_s = last_commit - min(ready.values())
+        window = (min(ready.values()), last_commit)
+    cpu = {"cpu_cores": SAMPLER.cores(*window)} if SAMPLER else {}
     conv = generate_table(out)
     if args.drop_shards:  # long outputs: 200 x 2048 tokens of an 8B model are ~14 GB of shards per measurement
         shutil.rmtree(f"{out}/shards", ignore_errors=True)
@@ -159,7 +165,8 @@ def stage_child(args, mode: str, out_len: int) -> dict:
             "shard_max_bytes": cfg.generate.shard_max_bytes,
             "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
             "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
-            "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats")}
+            "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats"),
+            **cpu}
 
 
 def unit_timings(out: str) -> list[dict]:
@@ -253,7 +260,8 @@ TAIL = ("requests_done_s", "last_connector_written_s", "last_captured_s", "last_
 def summary(path: str) -> str:
     """The rows of a results file (.jsonl, as measured) one line each: rate, engine start, wall; under a stage row
     its tail after the first engine was ready (the latest over its units: last request out, last capture written by
-    the connector, picked up by the actor's writers, prepared, committed) and the writers' seconds summed."""
+    the connector, picked up by the actor's writers, prepared, committed) and the writers' seconds summed; with
+    --cpu-shares, the busiest processes' average cores over the row's window."""
     lines = []
     for row in map(json.loads, Path(path).read_text().splitlines()):
         if "error" in row:
@@ -267,6 +275,10 @@ def summary(path: str) -> str:
             spent = " ".join(f"{k} {sum(u.get(k) or 0 for u in units):.3f}" for k in ("capture_wait_s", "prepare_s"))
             lines.append(f"    {len(units)} units: {tail}; summed {spent}; longest connector step "
                          f"{max(u.get('max_connector_step_s') or 0 for u in units):.3f} s")
+        if row.get("cpu_cores"):
+            shares = {k: v for k, v in row["cpu_cores"].items() if k not in ("window_s", "total")}
+            lines.append(f"    cores over {row['cpu_cores']['window_s']} s: total {row['cpu_cores']['total']}; "
+                         + ", ".join(f"{k} {v}" for k, v in list(shares.items())[:8]))
     return "\n".join(lines)
 
 
@@ -331,6 +343,9 @@ def parse_args():
     p.add_argument("--work", default="/tmp/generate_bench")
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--summary", metavar="JSONL", help="print the rows of a results file (--out's .jsonl) and exit")
+    p.add_argument("--cpu-shares", action="store_true",
+                   help="each row's `cpu_cores`: average cores per process of the measurement's process tree (engine "
+                        "processes; in stage rows Ray's too) over its measured window (bench/gpu/cpu_shares.py)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.summary:
@@ -358,6 +373,11 @@ def main() -> None:
     args = parse_args()
     os.makedirs(args.work, exist_ok=True)
     if args.child:
+        global SAMPLER
+        if args.cpu_shares:
+            from cpu_shares import CpuSampler
+
+            SAMPLER = CpuSampler()
         mode, out_len = args.child.split(":")
         fn = stage_child if mode.startswith("stage_") else engine_child
         result = fn(args, mode.removeprefix("stage_"), int(out_len))
