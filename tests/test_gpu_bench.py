@@ -120,9 +120,15 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
     from cpu_shares import CpuSampler
 
     script = tmp_path / "spin.py"
-    script.write_text("import time\nend = time.time() + 3\nwhile time.time() < end:\n    pass\n")
+    script.write_text("while True:\n    pass\n")
     sampler = CpuSampler(interval_s=0.5)
-    start = time.time()
-    subprocess.run([sys.executable, str(script)], check=True)
-    got = sampler.cores(start, time.time())
+    child = subprocess.Popen([sys.executable, str(script)])
+    try:  # the window lies inside the child's life, so every sample in it sees the child running
+        time.sleep(0.5)
+        start = time.time()
+        time.sleep(3)
+        got = sampler.cores(start, time.time())
+    finally:
+        child.kill()
+        child.wait()
     assert got["spin.py"] > 0.2 and got["total"] >= got["spin.py"]

@@ -38,7 +38,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
 from eagle3_ray.config import config_from_dict  # noqa: E402
 
-SAMPLER = None  # --cpu-shares: the child's cpu_shares.CpuSampler
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
 
@@ -101,7 +100,7 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     generate_s = time.perf_counter() - t0  # the last request is out; its capture file may still be on its way
     num_bytes = 0 if mode == "plain" else files_complete(paths)
     wall_s = time.perf_counter() - t0
-    cpu = {"cpu_cores": SAMPLER.cores(started, time.time())} if SAMPLER else {}
+    cpu = {"cpu_cores": args.sampler.cores(started, time.time())} if args.sampler else {}
     out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
     if mode == "plain":
         seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
@@ -152,7 +151,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     else:
         wall_s = last_commit - min(ready.values())
         window = (min(ready.values()), last_commit)
-    cpu = {"cpu_cores": SAMPLER.cores(*window)} if SAMPLER else {}
+    cpu = {"cpu_cores": args.sampler.cores(*window)} if args.sampler else {}
     conv = generate_table(out)
     if args.drop_shards:  # long outputs: 200 x 2048 tokens of an 8B model are ~14 GB of shards per measurement
         shutil.rmtree(f"{out}/shards", ignore_errors=True)
@@ -373,11 +372,11 @@ def main() -> None:
     args = parse_args()
     os.makedirs(args.work, exist_ok=True)
     if args.child:
-        global SAMPLER
+        args.sampler = None  # --cpu-shares: this measurement's cpu_shares.CpuSampler
         if args.cpu_shares:
             from cpu_shares import CpuSampler
 
-            SAMPLER = CpuSampler()
+            args.sampler = CpuSampler()
         mode, out_len = args.child.split(":")
         fn = stage_child if mode.startswith("stage_") else engine_child
         result = fn(args, mode.removeprefix("stage_"), int(out_len))
