@@ -21,10 +21,10 @@ import urllib.request
 
 import pyarrow as pa
 
-from eagle3_ray import storage
-from eagle3_ray.config import config_from_dict
-from eagle3_ray.engine import CONNECTOR_MODULE, CONNECTOR_NAME
-from eagle3_ray.tiny_verifier import build_tiny_verifier
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.core.tiny_verifier import build_tiny_verifier
+from eagle3_ray.generate.engine import CONNECTOR_MODULE, CONNECTOR_NAME
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
 LAYERS = [1, 3, 4]
@@ -40,8 +40,12 @@ def make_conversations(tokenizer, num: int) -> list[list[dict]]:
     for i in range(num):
         src = sources[i % len(sources)]
         start = (i * 977) % max(len(src) - 900, 1)
-        convs.append([{"role": "user", "content": f"Show me some Python code, example {i}."},
-                      {"role": "assistant", "content": src[start:start + 500 + (i % 5) * 100]}])
+        convs.append(
+            [
+                {"role": "user", "content": f"Show me some Python code, example {i}."},
+                {"role": "assistant", "content": src[start : start + 500 + (i % 5) * 100]},
+            ]
+        )
     return convs
 
 
@@ -49,16 +53,31 @@ def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> None:
     """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
     import hashlib
 
-    from eagle3_ray import stage
+    from eagle3_ray.core import stage
 
     def prompt_tokens(c: list[dict]) -> int:
         return len(tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=False))
 
-    rows = [{"id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16], "messages": c, "source": f"bench:{i}",
-             "num_turns": 1, "num_prompt_tokens": prompt_tokens(c)} for i, c in enumerate(convs)]
+    rows = [
+        {
+            "id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16],
+            "messages": c,
+            "source": f"bench:{i}",
+            "num_turns": 1,
+            "num_prompt_tokens": prompt_tokens(c),
+        }
+        for i, c in enumerate(convs)
+    ]
     table = pa.Table.from_pylist(rows)
-    stage.run(cfg, "ingest", stage.version(cfg, "ingest"), lambda out: (
-        storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table), {"rows_ok": len(rows)})[1])
+    stage.run(
+        cfg,
+        "ingest",
+        stage.version(cfg, "ingest"),
+        lambda out: (
+            storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table),
+            {"rows_ok": len(rows)},
+        )[1],
+    )
 
 
 def steady_rate(files_tokens: list[tuple[float, int]]) -> float:
@@ -71,22 +90,38 @@ def steady_rate(files_tokens: list[tuple[float, int]]) -> float:
 def run_ours(work: str, verifier: str, dtype: str, num_samples: int) -> dict:
     import pyarrow.parquet as pq
 
-    from eagle3_ray.generate import run
+    from eagle3_ray.generate.stage import run
 
-    cfg = config_from_dict({"run": {"storage_path": work, "name": f"ours-{dtype}"},
-                            "verifier": {"path": verifier, "aux_layer_ids": LAYERS, "max_model_len": 1024},
-                            "generate": {"mode": "capture_only", "hidden_states_dtype": dtype, "max_batch_tokens": 2048,
-                                         "shard_max_bytes": 64 << 20, "engine_kwargs": ENGINE}})
+    cfg = config_from_dict(
+        {
+            "run": {"storage_path": work, "name": f"ours-{dtype}"},
+            "verifier": {"path": verifier, "aux_layer_ids": LAYERS, "max_model_len": 1024},
+            "generate": {
+                "mode": "capture_only",
+                "hidden_states_dtype": dtype,
+                "max_batch_tokens": 2048,
+                "shard_max_bytes": 64 << 20,
+                "engine_kwargs": ENGINE,
+            },
+        }
+    )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(verifier)
     write_ingest(cfg, tok, make_conversations(tok, num_samples))
     summary = run(cfg)  # a finished version is not redone: its summary and part times are reported
     out = summary["path"]
-    parts = [(os.path.getmtime(p), int(sum(pq.read_table(p)["num_tokens"].to_pylist())))
-             for p in glob.glob(f"{out}/parts/*.parquet")]
-    return {"tokens": summary["captured_tokens"], "bytes_per_token": summary["bytes_per_token"],
-            "steady_tokens_per_s": steady_rate(parts), "stage_wall_s": summary["run_wall_s"], "out": out}
+    parts = [
+        (os.path.getmtime(p), int(sum(pq.read_table(p)["num_tokens"].to_pylist())))
+        for p in glob.glob(f"{out}/parts/*.parquet")
+    ]
+    return {
+        "tokens": summary["captured_tokens"],
+        "bytes_per_token": summary["bytes_per_token"],
+        "steady_tokens_per_s": steady_rate(parts),
+        "stage_wall_s": summary["run_wall_s"],
+        "out": out,
+    }
 
 
 def run_speculators(work: str, verifier: str, ours_out: str, concurrency: int) -> dict:
@@ -96,30 +131,68 @@ def run_speculators(work: str, verifier: str, ours_out: str, concurrency: int) -
 
     conv = pq.read_table(f"{ours_out}/conversations.parquet").to_pylist()
     data_dir, hs_dir, scratch = f"{work}/spec_data", f"{work}/spec_hs", f"{work}/spec_scratch"
-    data = datasets.Dataset.from_dict({"input_ids": [c["input_ids"] for c in conv],
-                                       "loss_mask": [c["loss_mask"] for c in conv]})
+    data = datasets.Dataset.from_dict(
+        {"input_ids": [c["input_ids"] for c in conv], "loss_mask": [c["loss_mask"] for c in conv]}
+    )
     data.set_format("torch")  # speculators' client calls .tolist() on the rows
     data.save_to_disk(data_dir)
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS + [6]}}}
-    kv = {"kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": scratch}}
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS + [6]}},
+    }
+    kv = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": scratch},
+    }
     port = 8000 + os.getpid() % 1000
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", verifier,
-                               "--port", str(port), "--max-model-len", "1024", "--enforce-eager",
-                               "--kv-cache-memory-bytes", str(256 << 20), "--speculative-config", json.dumps(spec),
-                               "--kv-transfer-config", json.dumps(kv)],
-                              stdout=open(f"{work}/server.log", "w"), stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            verifier,
+            "--port",
+            str(port),
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
+            "--speculative-config",
+            json.dumps(spec),
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ],
+        stdout=open(f"{work}/server.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         t0 = time.monotonic()
         _wait_ready(port, server)
         start_s = time.monotonic() - t0
         t1 = time.monotonic()
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "speculators"), "generate-offline-data",
-                        "--endpoint", f"http://127.0.0.1:{port}/v1", "--preprocessed-data", data_dir,
-                        "--output", hs_dir,
-                        "--concurrency", str(concurrency), "--fail-on-error"], check=True,
-                       stdout=open(f"{work}/client.log", "w"), stderr=subprocess.STDOUT)
+        subprocess.run(
+            [
+                os.path.join(os.path.dirname(sys.executable), "speculators"),
+                "generate-offline-data",
+                "--endpoint",
+                f"http://127.0.0.1:{port}/v1",
+                "--preprocessed-data",
+                data_dir,
+                "--output",
+                hs_dir,
+                "--concurrency",
+                str(concurrency),
+                "--fail-on-error",
+            ],
+            check=True,
+            stdout=open(f"{work}/client.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
         client_s = time.monotonic() - t1
     finally:
         server.terminate()
@@ -127,9 +200,14 @@ def run_speculators(work: str, verifier: str, ours_out: str, concurrency: int) -
     files = glob.glob(f"{hs_dir}/hs_*.safetensors")
     tokens = {f: len(conv[int(f.rsplit("_", 1)[1].split(".")[0])]["input_ids"]) for f in files}
     total_tokens = sum(tokens.values())
-    return {"tokens": total_tokens, "bytes_per_token": sum(os.path.getsize(f) for f in files) / total_tokens,
-            "steady_tokens_per_s": steady_rate([(os.path.getmtime(f), t) for f, t in tokens.items()]),
-            "server_start_s": start_s, "client_wall_s": client_s, "client_tokens_per_s": total_tokens / client_s}
+    return {
+        "tokens": total_tokens,
+        "bytes_per_token": sum(os.path.getsize(f) for f in files) / total_tokens,
+        "steady_tokens_per_s": steady_rate([(os.path.getmtime(f), t) for f, t in tokens.items()]),
+        "server_start_s": start_s,
+        "client_wall_s": client_s,
+        "client_tokens_per_s": total_tokens / client_s,
+    }
 
 
 def _wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -162,10 +240,14 @@ def main() -> None:
     finally:
         ray.shutdown()
     spec = run_speculators(args.work, verifier, bf16["out"], args.concurrency)
-    result = {"ours_bf16": bf16, "ours_fp8": fp8, "speculators": spec,
-              "throughput_ratio_bf16": bf16["steady_tokens_per_s"] / spec["steady_tokens_per_s"],
-              "bytes_ratio_bf16": bf16["bytes_per_token"] / spec["bytes_per_token"],
-              "bytes_ratio_fp8": fp8["bytes_per_token"] / spec["bytes_per_token"]}
+    result = {
+        "ours_bf16": bf16,
+        "ours_fp8": fp8,
+        "speculators": spec,
+        "throughput_ratio_bf16": bf16["steady_tokens_per_s"] / spec["steady_tokens_per_s"],
+        "bytes_ratio_bf16": bf16["bytes_per_token"] / spec["bytes_per_token"],
+        "bytes_ratio_fp8": fp8["bytes_per_token"] / spec["bytes_per_token"],
+    }
     print(json.dumps(result, indent=2))
     with open(f"{args.work}/result.json", "w") as f:
         json.dump(result, f, indent=2)

@@ -24,18 +24,31 @@ from pathlib import Path
 
 import psutil
 
-MODES = {"offline": {"source": "offline"}, "online": {"source": "online"},
-         "online+cache": {"source": "online", "online_cache": True}}
+MODES = {
+    "offline": {"source": "offline"},
+    "online": {"source": "online"},
+    "online+cache": {"source": "online", "online_cache": True},
+}
 
 
 def recipe(work: str, mode: str, verifier: str, num_samples: int, epochs: int) -> dict:
     return {
         "run": {"storage_path": f"{work}/runs", "name": mode.replace("+", "_")},
         "verifier": {"path": verifier, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
-        "generate": {"max_tokens": 64, "max_batch_tokens": 2048,
-                     "engine_kwargs": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 32}},
-        "train": {"num_workers": 2, "epochs": epochs, "total_seq_len": 512, "draft_vocab_size": 1024,
-                  "log_every_steps": 5, "val_fraction": 0.2, **MODES[mode]},
+        "generate": {
+            "max_tokens": 64,
+            "max_batch_tokens": 2048,
+            "engine_kwargs": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 32},
+        },
+        "train": {
+            "num_workers": 2,
+            "epochs": epochs,
+            "total_seq_len": 512,
+            "draft_vocab_size": 1024,
+            "log_every_steps": 5,
+            "val_fraction": 0.2,
+            **MODES[mode],
+        },
     }
 
 
@@ -44,43 +57,59 @@ def write_ingest(cfg, verifier: str, num_samples: int) -> None:
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from eagle3_ray import stage, storage
-    from eagle3_ray.prompts import tiny_prompts
+    from eagle3_ray.core import stage, storage
+    from eagle3_ray.core.prompts import tiny_prompts
 
     tok = AutoTokenizer.from_pretrained(verifier)
     rows = []
     for i, conv in enumerate(tiny_prompts(num_prompts=num_samples)):
         msgs = [m for m in conv["messages"] if m["role"] != "assistant"][:2]
         msgs = msgs if msgs[-1]["role"] == "user" else msgs[:1]
-        rows.append({"id": hashlib.sha256(json.dumps(msgs).encode()).hexdigest()[:16], "messages": msgs,
-                     "source": f"bench:{i}", "num_turns": 1,
-                     "num_prompt_tokens": len(tok.apply_chat_template(msgs, add_generation_prompt=True))})
+        rows.append(
+            {
+                "id": hashlib.sha256(json.dumps(msgs).encode()).hexdigest()[:16],
+                "messages": msgs,
+                "source": f"bench:{i}",
+                "num_turns": 1,
+                "num_prompt_tokens": len(tok.apply_chat_template(msgs, add_generation_prompt=True)),
+            }
+        )
     table = pa.Table.from_pylist(rows)
-    stage.run(cfg, "ingest", stage.version(cfg, "ingest"), lambda out: (
-        storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table), {"rows_ok": len(rows)})[1])
+    stage.run(
+        cfg,
+        "ingest",
+        stage.version(cfg, "ingest"),
+        lambda out: (
+            storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table),
+            {"rows_ok": len(rows)},
+        )[1],
+    )
 
 
 def child(args: argparse.Namespace) -> None:
     """One mode, in this process: local Ray, then generate + train (offline) or train alone (online)."""
     import ray
 
-    from eagle3_ray.config import config_from_dict
+    from eagle3_ray.core.config import config_from_dict
 
     cfg = config_from_dict(recipe(args.work, args.mode, args.verifier, args.num_samples, args.epochs))
     write_ingest(cfg, args.verifier, args.num_samples)
     ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=f"{args.work}/ray-{os.getpid()}")
     start = time.monotonic()
     if cfg.train.source == "offline":
-        from eagle3_ray import generate
+        from eagle3_ray.generate import stage as generate
 
         generate.run(cfg)
-    from eagle3_ray import train
+    from eagle3_ray.train import stage as train
 
     summary = train.run(cfg)
     wall_s = time.monotonic() - start
     best = summary["best"]["metrics"] if summary.get("best") else {}
-    print("RESULT " + json.dumps({"wall_s": wall_s, "val_acc_0": best.get("val_acc_0"),
-                                  "val_loss": best.get("val_loss")}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps({"wall_s": wall_s, "val_acc_0": best.get("val_acc_0"), "val_loss": best.get("val_loss")}),
+        flush=True,
+    )
     ray.shutdown()
 
 
@@ -107,8 +136,21 @@ def files_bytes(run_dir: Path) -> tuple[int, int]:
 
 
 def measure(args: argparse.Namespace, mode: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--work", args.work, "--verifier", args.verifier,
-           "--num-samples", str(args.num_samples), "--epochs", str(args.epochs)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--mode",
+        mode,
+        "--work",
+        args.work,
+        "--verifier",
+        args.verifier,
+        "--num-samples",
+        str(args.num_samples),
+        "--epochs",
+        str(args.epochs),
+    ]
     log_path = Path(args.work) / f"{mode.replace('+', '_')}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -120,8 +162,13 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     if proc.returncode != 0 or not result_lines:
         raise RuntimeError(f"{mode} failed (exit {proc.returncode}); see {log_path}")
     shard_bytes, all_bytes = files_bytes(Path(args.work) / "runs" / mode.replace("+", "_"))
-    return {"mode": mode, **json.loads(result_lines[-1][7:]), "peak_rss_bytes": peak,
-            "shard_bytes": shard_bytes, "written_bytes": all_bytes}
+    return {
+        "mode": mode,
+        **json.loads(result_lines[-1][7:]),
+        "peak_rss_bytes": peak,
+        "shard_bytes": shard_bytes,
+        "written_bytes": all_bytes,
+    }
 
 
 def main() -> None:
@@ -139,7 +186,7 @@ def main() -> None:
         return
     os.makedirs(args.work, exist_ok=True)
     if args.verifier is None:
-        from eagle3_ray.tiny_verifier import build_tiny_verifier
+        from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
         args.verifier = str(build_tiny_verifier("llama", Path(args.work) / "tiny-llama"))
     rows = [measure(args, mode) for mode in args.modes.split(",")]
@@ -147,8 +194,10 @@ def main() -> None:
     print(f"{'mode':<14}{'wall s':>9}{'peak RSS GiB':>14}{'shards MiB':>12}{'written MiB':>13}{'val_acc_0':>11}")
     for r in rows:
         acc = f"{r['val_acc_0']:.3f}" if r["val_acc_0"] is not None else "-"
-        print(f"{r['mode']:<14}{r['wall_s']:>9.1f}{r['peak_rss_bytes'] / 2**30:>14.2f}"
-              f"{r['shard_bytes'] / 2**20:>12.1f}{r['written_bytes'] / 2**20:>13.1f}{acc:>11}")
+        print(
+            f"{r['mode']:<14}{r['wall_s']:>9.1f}{r['peak_rss_bytes'] / 2**30:>14.2f}"
+            f"{r['shard_bytes'] / 2**20:>12.1f}{r['written_bytes'] / 2**20:>13.1f}{acc:>11}"
+        )
     (Path(args.work) / "results.json").write_text(json.dumps(rows, indent=2))
 
 

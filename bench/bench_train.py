@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_train_bench as gb  # noqa: E402
 
-from eagle3_ray import storage  # noqa: E402
+from eagle3_ray.core import storage  # noqa: E402
 
 
 def to_speculators_format(gen_dir: str, spec_dir: str) -> None:
@@ -44,43 +44,61 @@ def to_speculators_format(gen_dir: str, spec_dir: str) -> None:
         with safe_open(os.path.join(gen_dir, "shards", m["shard"]), framework="pt") as f:
             hs = f.get_tensor(f"{m['key']}.hs")  # shape: [T, L, H]
         t, conv = m["num_tokens"], convs[m["id"]]
-        save_file({"token_ids": torch.tensor(conv["input_ids"][:t]), "hidden_states": hs.contiguous()},
-                  os.path.join(spec_dir, "hidden_states", f"hs_{i}.safetensors"))
+        save_file(
+            {"token_ids": torch.tensor(conv["input_ids"][:t]), "hidden_states": hs.contiguous()},
+            os.path.join(spec_dir, "hidden_states", f"hs_{i}.safetensors"),
+        )
         rows.append({"input_ids": conv["input_ids"][:t], "loss_mask": conv["loss_mask"][:t], "seq_len": t})
     gb._write_spec_dataset(spec_dir, rows)
 
 
-def time_speculators_loop(gen_dir: str, spec_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int,
-                          num_steps: int, warmup: int) -> dict:
+def time_speculators_loop(
+    gen_dir: str, spec_dir: str, vocab_dir: str, *, total_seq_len: int, draft_vocab: int, num_steps: int, warmup: int
+) -> dict:
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import ArrowDataset, CollateFn
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
-    from eagle3_ray import train_worker
-    from eagle3_ray.config import Config
+    from eagle3_ray.core.config import Config
+    from eagle3_ray.train import worker as train_worker
 
     cfg = Config()
     cfg.train.total_seq_len, cfg.train.draft_vocab_size, cfg.train.loss_implementation = (
-        total_seq_len, draft_vocab, "eager")
+        total_seq_len,
+        draft_vocab,
+        "eager",
+    )
     capture = json.load(open(os.path.join(gen_dir, "capture.json")))
     cfg.verifier.path = capture["verifier_path"]
     torch.manual_seed(0)
     model = train_worker.build_model(cfg, capture, vocab_dir, torch.device("cpu"))  # Eagle3DraftModel, sdpa
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.train.lr)
     ds = ArrowDataset(max_len=total_seq_len, datapath=spec_dir, on_missing="raise", hidden_states_dtype=torch.float32)
-    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=total_seq_len, lengths=ds.approx_lengths,
-                                                 num_replicas=1, rank=0, seed=0)
+    sampler = MultipackDistributedBatchSamplerV2(
+        batch_max_length=total_seq_len, lengths=ds.approx_lengths, num_replicas=1, rank=0, seed=0
+    )
     num_aux = len(capture["aux_layer_ids"])
-    loader = DataLoader(ds, batch_sampler=sampler, num_workers=1, persistent_workers=True, prefetch_factor=4,
-                        collate_fn=CollateFn(total_seq_len, capture["hidden_size"], num_target_layers=num_aux,
-                                             dtype=torch.float32, preprocess=shift_batch))
+    loader = DataLoader(
+        ds,
+        batch_sampler=sampler,
+        num_workers=1,
+        persistent_workers=True,
+        prefetch_factor=4,
+        collate_fn=CollateFn(
+            total_seq_len,
+            capture["hidden_size"],
+            num_target_layers=num_aux,
+            dtype=torch.float32,
+            preprocess=shift_batch,
+        ),
+    )
     step = gb.make_step(model, optimizer, train_worker.loss_kwargs(cfg), torch.device("cpu"), autocast=False)
     return gb.timed_loop(loader, step, num_steps, warmup)
 
 
 def prepare(work: str, num_samples: int, draft_vocab: int) -> tuple[str, str, str]:
     """(generate dir, speculators data dir, our vocab dir) for the tiny Llama verifier."""
-    from eagle3_ray.tiny_verifier import build_tiny_verifier
+    from eagle3_ray.core.tiny_verifier import build_tiny_verifier
     from tests.fixtures_generate import build_generate_output
 
     verifier = str(build_tiny_verifier("llama", os.path.join(work, "tiny-llama"), dtype="float32"))
@@ -107,21 +125,33 @@ def main() -> None:
     p.add_argument("--out", help="JSON results")
     args = p.parse_args()
     gen_dir, spec_dir, vocab_dir = prepare(args.work, args.num_samples, args.draft_vocab)
-    common = dict(total_seq_len=args.total_seq_len, draft_vocab=args.draft_vocab, num_steps=args.steps,
-                  warmup=args.warmup)
+    common = dict(
+        total_seq_len=args.total_seq_len, draft_vocab=args.draft_vocab, num_steps=args.steps, warmup=args.warmup
+    )
     # ABBA order: the machine is shared, so load drifts; each side's numbers are the mean of its two runs
     runs = {"ours": [], "spec": []}
     for side in ("ours", "spec", "spec", "ours"):
-        run = (gb.time_ours(gen_dir, vocab_dir, use_gpu=False, **common) if side == "ours"
-               else time_speculators_loop(gen_dir, spec_dir, vocab_dir, **common))
+        run = (
+            gb.time_ours(gen_dir, vocab_dir, use_gpu=False, **common)
+            if side == "ours"
+            else time_speculators_loop(gen_dir, spec_dir, vocab_dir, **common)
+        )
         runs[side].append(run)
         print(side, {k: round(v, 3) for k, v in run.items()}, flush=True)
     ours, spec = (_mean(runs["ours"]), _mean(runs["spec"]))
-    rows = [{"total_seq_len": args.total_seq_len, "impl": "ours (worker step)", **ours,
-             "ratio_vs_speculators": ours["tokens_per_s"] / spec["tokens_per_s"]},
-            {"total_seq_len": args.total_seq_len, "impl": "speculators plain loop", **spec}]
-    print("CPU, single process (no Ray Train: measures the step, not Ray startup). speculators' Trainer cannot run "
-          "on CPU (trainer.py calls model.to(local_rank)); its model + loss + data path run in a plain loop instead.")
+    rows = [
+        {
+            "total_seq_len": args.total_seq_len,
+            "impl": "ours (worker step)",
+            **ours,
+            "ratio_vs_speculators": ours["tokens_per_s"] / spec["tokens_per_s"],
+        },
+        {"total_seq_len": args.total_seq_len, "impl": "speculators plain loop", **spec},
+    ]
+    print(
+        "CPU, single process (no Ray Train: measures the step, not Ray startup). speculators' Trainer cannot run "
+        "on CPU (trainer.py calls model.to(local_rank)); its model + loss + data path run in a plain loop instead."
+    )
     gb.print_table(rows)
     if args.out:
         storage.write_json_atomic(args.out, {"device": "cpu", "rows": rows, **vars(args)})

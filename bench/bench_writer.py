@@ -33,8 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors.torch import save_file
 
-from eagle3_ray import chat, shards
-from eagle3_ray.engine import GIL_SWITCH_INTERVAL_S
+from eagle3_ray.core import shards
+from eagle3_ray.generate import chat
+from eagle3_ray.generate.engine import GIL_SWITCH_INTERVAL_S
 
 
 def main() -> None:
@@ -81,8 +82,12 @@ def main() -> None:
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         row = {"threads": threads, "gb": gb}
-        for name, fn in (("connector_write", connector), ("read_stats", stats), ("read_shard_write", shard),
-                         ("whole_path", whole)):
+        for name, fn in (
+            ("connector_write", connector),
+            ("read_stats", stats),
+            ("read_shard_write", shard),
+            ("whole_path", whole),
+        ):
             if name == "connector_write":
                 shutil.rmtree(scratch)
                 os.makedirs(scratch)
@@ -106,8 +111,12 @@ def note_pickup(args) -> None:
     threads = int(args.threads.split(",")[-1])
     scratch = tempfile.mkdtemp(dir=args.scratch, prefix="writer-bench-")
     ids = list(range(args.tokens))
-    note = {"token_ids": torch.tensor(ids, dtype=torch.int32), "norms": torch.rand(args.tokens, args.layers),
-            "nonfinite": torch.zeros(args.layers, dtype=torch.int64), "stamps": torch.zeros(4, dtype=torch.float64)}
+    note = {
+        "token_ids": torch.tensor(ids, dtype=torch.int32),
+        "norms": torch.rand(args.tokens, args.layers),
+        "nonfinite": torch.zeros(args.layers, dtype=torch.int64),
+        "stamps": torch.zeros(4, dtype=torch.float64),
+    }
 
     def pickup(i: int | str) -> None:  # as commit.CaptureWriter._prepare takes a planned or streamed sample's note
         path = f"{scratch}/{i}.safetensors"
@@ -140,10 +149,20 @@ def note_pickup(args) -> None:
             wall = time.perf_counter() - start
             stop.set()
             busy.join()
-            rows.append({"round": round_, "switch_interval_ms": interval * 1e3, "threads": threads,
-                         "notes": args.notes, "wall_s": wall, "ms_per_note": wall / args.notes * 1e3})
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
-                  flush=True)
+            rows.append(
+                {
+                    "round": round_,
+                    "switch_interval_ms": interval * 1e3,
+                    "threads": threads,
+                    "notes": args.notes,
+                    "wall_s": wall,
+                    "ms_per_note": wall / args.notes * 1e3,
+                }
+            )
+            print(
+                " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+                flush=True,
+            )
     sys.setswitchinterval(default)
     shutil.rmtree(scratch, ignore_errors=True)
     if args.out:

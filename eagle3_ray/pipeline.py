@@ -17,11 +17,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from eagle3_ray import stage, storage
-from eagle3_ray.config import Config
-from eagle3_ray.raycluster import ensure_ray
-from eagle3_ray.stage import STAGES
-from eagle3_ray.telemetry import RateMeter, log, metrics
+from eagle3_ray.core import stage, storage
+from eagle3_ray.core.config import Config
+from eagle3_ray.core.raycluster import ensure_ray
+from eagle3_ray.core.stage import STAGES
+from eagle3_ray.core.telemetry import RateMeter, log, metrics
 
 
 def parse_stages(text: str) -> list[str]:
@@ -55,7 +55,7 @@ def _announce(cfg: Config, stages: list[str]) -> None:
 
 def _run_stage(cfg: Config, name: str) -> dict[str, Any]:
     # Imported here: each stage pulls in its own heavy dependencies (vLLM, torch, speculators) only when it runs.
-    module = importlib.import_module(f"eagle3_ray.{name}")
+    module = importlib.import_module(stage.STAGE_MODULES[name])
     tags = {"stage": name, "run": cfg.run.name}
     metrics.gauge("pipeline_stage_running", "1 while the stage runs in the pipeline driver").set(1, tags=tags)
     meter = RateMeter()
@@ -75,7 +75,7 @@ def run(cfg: Config, stages: list[str] | tuple[str, ...] = STAGES) -> dict[str, 
     ensure_ray(cfg.run)
     stages = list(stages)
     if cfg.train.source == "online" and "generate" in stages:
-        # online training runs the engines itself, inside the train stage (eagle3_ray/online.py)
+        # online training runs the engines itself, inside the train stage (eagle3_ray/train/online.py)
         stages.remove("generate")
     _announce(cfg, stages)
     meter = RateMeter()

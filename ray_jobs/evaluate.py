@@ -10,7 +10,8 @@ finished evaluation with other thresholds re-applies the gate without starting a
 
 import sys
 
-from eagle3_ray import cli, evaluate
+from eagle3_ray.core import cli
+from eagle3_ray.evaluate import stage as evaluate
 
 
 def main() -> int:

@@ -8,7 +8,8 @@ The capture/serving contract is checked before and after writing.
 A finished version is a no-op that says so.
 """
 
-from eagle3_ray import cli, export
+from eagle3_ray.core import cli
+from eagle3_ray.train import export
 
 if __name__ == "__main__":
     export.run(cli.load(__doc__, "export")[0])

@@ -8,7 +8,8 @@
 A resubmitted job resumes: samples already committed are skipped; a finished version is a no-op that says so.
 """
 
-from eagle3_ray import cli, generate
+from eagle3_ray.core import cli
+from eagle3_ray.generate import stage as generate
 
 if __name__ == "__main__":
     generate.run(cli.load(__doc__, "generate")[0])

@@ -7,7 +7,8 @@
 Re-running with the same inputs and config is a no-op that says so.
 """
 
-from eagle3_ray import cli, ingest
+from eagle3_ray.core import cli
+from eagle3_ray.ingest import stage as ingest
 
 if __name__ == "__main__":
     ingest.run(cli.load(__doc__, "ingest")[0])

@@ -6,7 +6,8 @@
 Resubmitting with the same run.storage_path and run.name resumes; the first log line says so.
 """
 
-from eagle3_ray import cli, pipeline
+from eagle3_ray import pipeline
+from eagle3_ray.core import cli
 
 
 def _stages(parser) -> None:

@@ -7,8 +7,9 @@ checkpoints, best/, vocab/, metrics.jsonl, tensorboard/). Prints metrics lines e
 Resubmitting the same command resumes after the last checkpoint; a finished run is a no-op.
 """
 
-from eagle3_ray import cli, train
-from eagle3_ray.telemetry import log
+from eagle3_ray.core import cli
+from eagle3_ray.core.telemetry import log
+from eagle3_ray.train import stage as train
 
 if __name__ == "__main__":
     summary = train.run(cli.load(__doc__, "train")[0])

@@ -8,7 +8,6 @@ import secrets
 
 import pytest
 
-
 _ENV: dict[str, str] = {}
 
 
@@ -19,17 +18,19 @@ def pytest_configure(config):
     base = config._tmp_path_factory.mktemp("env")
     token_path = base / "ray_auth_token"
     token_path.write_text(secrets.token_hex(32))
-    _ENV.update({
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token_path),
-        "VLLM_CACHE_ROOT": str(base / "vllm_cache"),
-        "HF_HOME": str(base / "hf_home"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    _ENV.update(
+        {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token_path),
+            "VLLM_CACHE_ROOT": str(base / "vllm_cache"),
+            "HF_HOME": str(base / "hf_home"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     os.environ.update(_ENV)
     os.environ.pop("RAY_ADDRESS", None)
 
@@ -58,8 +59,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "_eagle3_gpu_deselected", 0):
-        terminalreporter.write_line(f"{config._eagle3_gpu_deselected} gpu test(s) deselected: no CUDA here "
-                                    "(bash bench/gpu/run_checks.sh pytest_gpu runs them on a GPU)")
+        terminalreporter.write_line(
+            f"{config._eagle3_gpu_deselected} gpu test(s) deselected: no CUDA here "
+            "(bash bench/gpu/run_checks.sh pytest_gpu runs them on a GPU)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +74,7 @@ def _isolated_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     """A 6-layer tiny Llama verifier (bf16) with a locally trained tokenizer and ChatML template."""
-    from eagle3_ray.tiny_verifier import build_tiny_verifier
+    from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
     return str(build_tiny_verifier("llama", tmp_path_factory.mktemp("verifiers") / "tiny-llama"))
 
@@ -79,7 +82,7 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_fp32(tmp_path_factory) -> str:
     """The same tiny Llama in float32, for exact comparisons of captured hidden states."""
-    from eagle3_ray.tiny_verifier import build_tiny_verifier
+    from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
     return str(build_tiny_verifier("llama", tmp_path_factory.mktemp("verifiers") / "tiny-llama-fp32", dtype="float32"))
 
@@ -92,8 +95,12 @@ def ray_session(tmp_path_factory, _isolated_env):
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {k: v for k, v in _isolated_env.items() if not k.startswith("RAY_AUTH")}})
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {k: v for k, v in _isolated_env.items() if not k.startswith("RAY_AUTH")}},
+    )
     yield ray
     ray.shutdown()

@@ -31,13 +31,21 @@ def _greedy_samples(verifier_dir: str, prompts: list[list[dict]], max_new_tokens
             out = model(full, output_hidden_states=True)
         layers = list(out.hidden_states[:-1]) + [captured["pre_norm"]]  # ids 0..L, id L before the final norm
         mask = torch.zeros(full.shape[1], dtype=torch.long)
-        mask[prompt_ids.shape[1]:] = 1
+        mask[prompt_ids.shape[1] :] = 1
         yield full[0], mask, torch.stack([h[0] for h in layers], dim=1)
 
 
-def train_tiny_drafter(verifier_dir: str, run_dir: Path, *, aux_layer_ids=(1, 3, 4), num_steps: int = 200,
-                       draft_vocab_size: int = 1024, max_new_tokens: int = 32, seed: int = 0,
-                       num_epochs: int = 1) -> Path:
+def train_tiny_drafter(
+    verifier_dir: str,
+    run_dir: Path,
+    *,
+    aux_layer_ids=(1, 3, 4),
+    num_steps: int = 200,
+    draft_vocab_size: int = 1024,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    num_epochs: int = 1,
+) -> Path:
     """Train a drafter for `num_steps` per epoch (0: untrained), save one checkpoint per epoch with the project's
     checkpoints.save, write train/LATEST.json and a generate/ stand-in naming the training prompts. Returns the
     last checkpoint dir."""
@@ -47,60 +55,94 @@ def train_tiny_drafter(verifier_dir: str, run_dir: Path, *, aux_layer_ids=(1, 3,
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import AutoConfig
 
-    from eagle3_ray.prompts import tiny_prompts
+    from eagle3_ray.core.prompts import tiny_prompts
 
     torch.manual_seed(seed)
     vcfg = AutoConfig.from_pretrained(verifier_dir)
     num_layers = vcfg.num_hidden_layers
     conversations = tiny_prompts(split="train", num_prompts=NUM_TRAIN_PROMPTS, seed=seed)
     # an untrained drafter needs no data: its draft vocab is then simply the first ids
-    samples = list(_greedy_samples(verifier_dir, [c["messages"] for c in conversations], max_new_tokens)) \
-        if num_steps else []
+    samples = (
+        list(_greedy_samples(verifier_dir, [c["messages"] for c in conversations], max_new_tokens)) if num_steps else []
+    )
     freq: dict[int, int] = {}
     for ids, mask, _ in samples:
         for t in ids[mask.bool()].tolist():
             freq[t] = freq.get(t, 0) + 1
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size, vcfg.vocab_size)
-    layer_config = create_transformer_layer_config(verifier_name_or_path=verifier_dir, num_layers=1, draft_arch="llama",
-                                                   hidden_act="silu", sliding_window=2048, full_attention_indices=[0])
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=verifier_dir,
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act="silu",
+        sliding_window=2048,
+        full_attention_indices=[0],
+    )
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size, norm_before_residual=True,
-        norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=verifier_dir,
-        target_layer_ids=list(aux_layer_ids), draft_attn_impl="sdpa")
-    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", ttt_steps=3,
-                                                          ttt_step_loss_decay=1.0)
+        verifier_config=layer_config,
+        t2d=t2d,
+        d2t=d2t,
+        draft_vocab_size=draft_vocab_size,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=3,
+        verifier_name_or_path=verifier_dir,
+        target_layer_ids=list(aux_layer_ids),
+        draft_attn_impl="sdpa",
+    )
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=3, ttt_step_loss_decay=1.0
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     capture = capture_json(verifier_dir, aux_layer_ids, vcfg)
     for epoch in range(num_epochs):
         for step in range(num_steps):
             ids, mask, hs = samples[step % len(samples)]
-            batch = shift_batch({"input_ids": ids, "hidden_states": hs[:, list(aux_layer_ids)].flatten(1),
-                                 "verifier_last_hidden_states": hs[:, num_layers], "loss_mask": mask,
-                                 "lengths": torch.tensor([len(ids)]), "position_ids": torch.arange(len(ids))})
+            batch = shift_batch(
+                {
+                    "input_ids": ids,
+                    "hidden_states": hs[:, list(aux_layer_ids)].flatten(1),
+                    "verifier_last_hidden_states": hs[:, num_layers],
+                    "loss_mask": mask,
+                    "lengths": torch.tensor([len(ids)]),
+                    "position_ids": torch.arange(len(ids)),
+                }
+            )
             batch = {k: v[None] for k, v in batch.items() if k != "lengths"}
             _, loss, _ = model(**batch, document_ids=torch.zeros_like(batch["input_ids"]), **train_kwargs)
             opt.zero_grad()
             loss.backward()
             opt.step()
-        ckpt = write_checkpoint(model, opt, sched, Path(run_dir), capture, epoch=epoch, steps=num_steps,
-                                best=epoch == 0)
+        ckpt = write_checkpoint(
+            model, opt, sched, Path(run_dir), capture, epoch=epoch, steps=num_steps, best=epoch == 0
+        )
     write_generate_stub(Path(run_dir), conversations, capture)
     return ckpt
 
 
 def capture_json(verifier_dir: str, aux_layer_ids, vcfg) -> dict:
     num_layers = vcfg.num_hidden_layers
-    return {"aux_layer_ids": list(aux_layer_ids), "final_layer_id": num_layers,
-            "layer_ids": [*aux_layer_ids, num_layers], "final_layer_norm": "pre", "hidden_size": vcfg.hidden_size,
-            "num_hidden_layers": num_layers, "vocab_size": vcfg.vocab_size, "verifier_path": verifier_dir,
-            "verifier_architectures": list(vcfg.architectures), "model_dtype": "bfloat16",
-            "hidden_states_dtype": "bfloat16"}
+    return {
+        "aux_layer_ids": list(aux_layer_ids),
+        "final_layer_id": num_layers,
+        "layer_ids": [*aux_layer_ids, num_layers],
+        "final_layer_norm": "pre",
+        "hidden_size": vcfg.hidden_size,
+        "num_hidden_layers": num_layers,
+        "vocab_size": vcfg.vocab_size,
+        "verifier_path": verifier_dir,
+        "verifier_architectures": list(vcfg.architectures),
+        "model_dtype": "bfloat16",
+        "hidden_states_dtype": "bfloat16",
+    }
 
 
 def write_checkpoint(model, opt, sched, run_dir: Path, capture: dict, *, epoch: int, steps: int, best: bool) -> Path:
     """train/v-test/epoch_N in the train stage's format (a copy in best/ when `best`), and train/LATEST.json."""
-    from eagle3_ray import checkpoints, storage
+    from eagle3_ray.core import storage
+    from eagle3_ray.train import checkpoints
 
     train_dir = run_dir / "train" / "v-test"
     ckpt = train_dir / f"epoch_{epoch}"
@@ -121,8 +163,8 @@ def write_generate_stub(run_dir: Path, conversations: list[dict], capture: dict)
     prompts that were trained on."""
     import pyarrow as pa
 
-    from eagle3_ray import storage
-    from eagle3_ray.ingest_formats import conversation_id
+    from eagle3_ray.core import storage
+    from eagle3_ray.ingest.formats import conversation_id
 
     gen_dir = run_dir / "generate" / "v-test"
     gen_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +179,7 @@ def write_generate_stub(run_dir: Path, conversations: list[dict], capture: dict)
 def attach(cfg):
     """Make a stand-in run's generate/ and train/ outputs (v-test) the ones `cfg` determines: their version dirs
     become symlinks to v-test. Returns `cfg`."""
-    from eagle3_ray import stage
+    from eagle3_ray.core import stage
 
     for name in ("generate", "train"):
         link = Path(stage.output_dir(cfg, name))

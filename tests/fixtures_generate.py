@@ -20,22 +20,48 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from eagle3_ray import shards, stage, storage
+from eagle3_ray.core import shards, stage, storage
 
 AUX_LAYER_IDS = [1, 3, 4]
-WORDS = ["def", "class", "return", "import", "self", "value", "list", "dict", "path", "file", "error", "count",
-         "while", "for", "print", "string", "index", "key", "open", "read", "write", "name", "data", "line"]
+WORDS = [
+    "def",
+    "class",
+    "return",
+    "import",
+    "self",
+    "value",
+    "list",
+    "dict",
+    "path",
+    "file",
+    "error",
+    "count",
+    "while",
+    "for",
+    "print",
+    "string",
+    "index",
+    "key",
+    "open",
+    "read",
+    "write",
+    "name",
+    "data",
+    "line",
+]
 
-CONVERSATION_SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("num_prompt_tokens", pa.int32()),
-    ("num_response_tokens", pa.int32()),
-    ("finish_reason", pa.string()),
-    ("source", pa.string()),
-])
+CONVERSATION_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_response_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("source", pa.string()),
+    ]
+)
 
 
 def make_prompts(num_prompts: int, seed: int = 0) -> list[str]:
@@ -67,7 +93,8 @@ def _capture(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     """Hidden states [T, len(layer_ids), H] for input_ids[:T], T = len(input_ids) - 1 (generate mode)."""
     captured: dict[str, torch.Tensor] = {}
     hook = model.model.layers[-1].register_forward_hook(
-        lambda _m, _i, o: captured.__setitem__("final", o[0] if isinstance(o, tuple) else o))
+        lambda _m, _i, o: captured.__setitem__("final", o[0] if isinstance(o, tuple) else o)
+    )
     try:
         fwd = model(torch.tensor([input_ids[:-1]]), output_hidden_states=True)
     finally:
@@ -77,9 +104,17 @@ def _capture(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
     return torch.stack(per_layer, dim=1)  # shape: [T, len(layer_ids), H]
 
 
-def build_generate_output(run_dir: str, verifier_dir: str, *, num_samples: int = 48, max_new_tokens: int = 48,
-                          hidden_states_dtype: str = "bfloat16", samples_per_shard: int = 16, seed: int = 0,
-                          aux_layer_ids: list[int] | None = None) -> str:
+def build_generate_output(
+    run_dir: str,
+    verifier_dir: str,
+    *,
+    num_samples: int = 48,
+    max_new_tokens: int = 48,
+    hidden_states_dtype: str = "bfloat16",
+    samples_per_shard: int = 16,
+    seed: int = 0,
+    aux_layer_ids: list[int] | None = None,
+) -> str:
     """Write a finished generate version under `run_dir` and point generate/LATEST.json at it; returns its dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,37 +131,65 @@ def build_generate_output(run_dir: str, verifier_dir: str, *, num_samples: int =
         return out_dir
     rows, manifest, pending = [], [], {}
     prompts = [[{"role": "user", "content": p}] for p in make_prompts(num_samples, seed)]
-    prompt_ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
-                  for m in prompts]
+    prompt_ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in prompts
+    ]
     responses = _greedy_responses(model, tokenizer, prompt_ids, max_new_tokens)
     for i, (messages, p_ids, r_ids) in enumerate(zip(prompts, prompt_ids, responses, strict=True)):
         input_ids = p_ids + r_ids
         hs = _capture(model, input_ids, layer_ids)
         full_messages = messages + [{"role": "assistant", "content": tokenizer.decode(r_ids, skip_special_tokens=True)}]
         sample_id = _sample_id(messages)
-        rows.append({"id": sample_id, "messages": full_messages, "input_ids": input_ids,
-                     "loss_mask": [0] * len(p_ids) + [1] * len(r_ids), "num_prompt_tokens": len(p_ids),
-                     "num_response_tokens": len(r_ids),
-                     "finish_reason": "stop" if r_ids[-1] == tokenizer.eos_token_id else "length",
-                     "source": f"fixture:{i}"})
+        rows.append(
+            {
+                "id": sample_id,
+                "messages": full_messages,
+                "input_ids": input_ids,
+                "loss_mask": [0] * len(p_ids) + [1] * len(r_ids),
+                "num_prompt_tokens": len(p_ids),
+                "num_response_tokens": len(r_ids),
+                "finish_reason": "stop" if r_ids[-1] == tokenizer.eos_token_id else "length",
+                "source": f"fixture:{i}",
+            }
+        )
         shard_name = f"shard-{i // samples_per_shard:05d}.safetensors"
         key = f"s{i:06d}"
         pending.setdefault(shard_name, {}).update(shards.encode_sample(key, hs, hidden_states_dtype))
-        manifest.append({"id": sample_id, "shard": shard_name, "key": key, "num_tokens": hs.shape[0],
-                         "dtype": "float8_e4m3fn" if hidden_states_dtype == "fp8" else "bfloat16",
-                         "layer_ids": layer_ids, "hidden_size": hs.shape[2]})
+        manifest.append(
+            {
+                "id": sample_id,
+                "shard": shard_name,
+                "key": key,
+                "num_tokens": hs.shape[0],
+                "dtype": "float8_e4m3fn" if hidden_states_dtype == "fp8" else "bfloat16",
+                "layer_ids": layer_ids,
+                "hidden_size": hs.shape[2],
+            }
+        )
     for shard_name, tensors in pending.items():
         shards.write_shard(storage.join(out_dir, "shards", shard_name), tensors)
-    storage.write_parquet_atomic(storage.join(out_dir, "manifest.parquet"),
-                                 pa.Table.from_pylist(manifest, schema=shards.MANIFEST_SCHEMA))
-    storage.write_parquet_atomic(storage.join(out_dir, "conversations.parquet"),
-                                 pa.Table.from_pylist(rows, schema=CONVERSATION_SCHEMA))
-    storage.write_json_atomic(storage.join(out_dir, "capture.json"), {
-        "aux_layer_ids": aux, "final_layer_id": num_layers, "layer_ids": layer_ids, "final_layer_norm": "pre",
-        "hidden_size": model.config.hidden_size, "num_hidden_layers": num_layers,
-        "vocab_size": model.config.vocab_size, "verifier_path": verifier_dir,
-        "verifier_architectures": list(model.config.architectures or ["LlamaForCausalLM"]),
-        "model_dtype": "float32", "hidden_states_dtype": hidden_states_dtype})
+    storage.write_parquet_atomic(
+        storage.join(out_dir, "manifest.parquet"), pa.Table.from_pylist(manifest, schema=shards.MANIFEST_SCHEMA)
+    )
+    storage.write_parquet_atomic(
+        storage.join(out_dir, "conversations.parquet"), pa.Table.from_pylist(rows, schema=CONVERSATION_SCHEMA)
+    )
+    storage.write_json_atomic(
+        storage.join(out_dir, "capture.json"),
+        {
+            "aux_layer_ids": aux,
+            "final_layer_id": num_layers,
+            "layer_ids": layer_ids,
+            "final_layer_norm": "pre",
+            "hidden_size": model.config.hidden_size,
+            "num_hidden_layers": num_layers,
+            "vocab_size": model.config.vocab_size,
+            "verifier_path": verifier_dir,
+            "verifier_architectures": list(model.config.architectures or ["LlamaForCausalLM"]),
+            "model_dtype": "float32",
+            "hidden_states_dtype": hidden_states_dtype,
+        },
+    )
     storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": num_samples, "path": out_dir})
     storage.mark_complete(out_dir, {"num_samples": num_samples})
     storage.set_latest(run_dir, "generate", version)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from helpers_ray_head import free_ports
 
 
@@ -31,8 +30,11 @@ def start_s3(log_path: Path, bucket: str = "eagle3") -> S3Server:
     (port,) = free_ports(1)
     endpoint = f"http://127.0.0.1:{port}"
     log = open(log_path, "w")
-    process = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -41,8 +43,13 @@ def start_s3(log_path: Path, bucket: str = "eagle3") -> S3Server:
         except OSError:
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     request = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")  # S3 CreateBucket
     urllib.request.urlopen(request, timeout=10)
     return S3Server(endpoint=endpoint, bucket=bucket, env=env, process=process)

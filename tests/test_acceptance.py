@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_ray import acceptance
+from eagle3_ray.train import acceptance
 
 
 def perfect_drafts(targets: list[int], num_steps: int) -> list[torch.Tensor]:
@@ -66,9 +66,16 @@ def test_a_draft_stops_at_its_documents_end_and_the_next_document_starts_fresh()
 
 
 def test_summary_uses_vllms_definitions_and_names_the_largest_k():
-    sums = {"replay_k1_drafts": 4.0, "replay_k1_accepted": 3.0, "replay_k1_accepted_0": 3.0,
-            "replay_k3_drafts": 2.0, "replay_k3_accepted": 3.0, "replay_k3_accepted_0": 2.0,
-            "replay_k3_accepted_1": 1.0, "replay_k3_accepted_2": 0.0}
+    sums = {
+        "replay_k1_drafts": 4.0,
+        "replay_k1_accepted": 3.0,
+        "replay_k1_accepted_0": 3.0,
+        "replay_k3_drafts": 2.0,
+        "replay_k3_accepted": 3.0,
+        "replay_k3_accepted_0": 2.0,
+        "replay_k3_accepted_1": 1.0,
+        "replay_k3_accepted_2": 0.0,
+    }
     got = acceptance.summarize(sums, [1, 3])
     assert got["val_replay_acceptance_length_k1"] == 1.75 and got["val_replay_acc_k1_0"] == 0.75
     assert got["val_replay_acceptance_length_k3"] == 2.5
@@ -95,8 +102,9 @@ def test_a_verifier_choice_outside_the_draft_vocab_can_never_be_matched():
     head = torch.nn.Linear(2, 3, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
-    model = SimpleNamespace(verifier_lm_head=head, verifier_norm=torch.nn.Identity(),
-                            d2t=torch.tensor([10 - 0, 20 - 1, 30 - 2]))
+    model = SimpleNamespace(
+        verifier_lm_head=head, verifier_norm=torch.nn.Identity(), d2t=torch.tensor([10 - 0, 20 - 1, 30 - 2])
+    )
     input_ids = row([5, 6, 20, 99, 7])  # the verifier said 20 after position 1, then 99 (not draftable), ...
     docs = row([0, 0, 0, 0, 1])
     targets = acceptance.target_ids(model, torch.ones(1, 5, 2), input_ids, docs)

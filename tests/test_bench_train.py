@@ -34,11 +34,16 @@ def test_tiny_bench_writes_both_formats_with_the_same_samples_and_times_our_step
     assert torch.equal(item["input_ids"], ids[: hs.shape[0]])
     assert torch.equal(item["verifier_last_hidden_states"].float(), hs[:, -1].float())
 
-    result = gb.time_ours(gen_dir, vocab_dir, total_seq_len=96, draft_vocab=128, use_gpu=False,
-                          num_train_samples=10, num_loader_workers=0)
+    result = gb.time_ours(
+        gen_dir, vocab_dir, total_seq_len=96, draft_vocab=128, use_gpu=False, num_train_samples=10, num_loader_workers=0
+    )
     # the timed epoch (the second) is every train sample once, as speculators' sampler packs it for the same seed
-    lengths = [hs.shape[0] for _ids, _mask, hs in gb.make_samples(
-        10, 20, 40, len(gb.AUX_TINY) + 1, gb.TINY["hidden_size"], gb.TINY["vocab_size"])]
+    lengths = [
+        hs.shape[0]
+        for _ids, _mask, hs in gb.make_samples(
+            10, 20, 40, len(gb.AUX_TINY) + 1, gb.TINY["hidden_size"], gb.TINY["vocab_size"]
+        )
+    ]
     assert (result["steps"], result["tokens"]) == gb.epoch_plan(lengths, 96, epoch=1)
     assert result["tokens"] == sum(lengths) - 10  # trained positions: a sample's length less one
     assert result["tokens_per_s"] > 0 and 0 <= result["data_wait_frac"] < 1 and result["timed_s"] > 0
@@ -46,16 +51,18 @@ def test_tiny_bench_writes_both_formats_with_the_same_samples_and_times_our_step
 
 
 def test_speculators_epoch_seconds_come_from_the_stamped_started_and_completed_lines():
-    log = "\n".join([
-        "python -m speculators.train --epochs 2",
-        "     3.100 [21:24:51] INFO     Training epoch 1/2 started                          trainer.py:734",
-        "     3.200 Epoch 0: 100%|##########| 18/18 [00:09<00:00,  1.90it/s]",
-        "    12.600 [21:25:00] INFO     Training epoch 1/2 completed                        trainer.py:736",
-        "    14.000 [21:25:02] INFO     Validation epoch 1/2 started                        trainer.py:748",
-        "    20.250 [21:25:08] INFO     Training epoch 2/2 started                          trainer.py:734",
-        "    23.000 [21:25:11] INFO     Training epoch 2/2 completed                        trainer.py:736",
-        "    24.000 [21:25:12] INFO     Training epoch 3/3 started                          trainer.py:734",
-    ])
+    log = "\n".join(
+        [
+            "python -m speculators.train --epochs 2",
+            "     3.100 [21:24:51] INFO     Training epoch 1/2 started                          trainer.py:734",
+            "     3.200 Epoch 0: 100%|##########| 18/18 [00:09<00:00,  1.90it/s]",
+            "    12.600 [21:25:00] INFO     Training epoch 1/2 completed                        trainer.py:736",
+            "    14.000 [21:25:02] INFO     Validation epoch 1/2 started                        trainer.py:748",
+            "    20.250 [21:25:08] INFO     Training epoch 2/2 started                          trainer.py:734",
+            "    23.000 [21:25:11] INFO     Training epoch 2/2 completed                        trainer.py:736",
+            "    24.000 [21:25:12] INFO     Training epoch 3/3 started                          trainer.py:734",
+        ]
+    )
     seconds = gb.epoch_seconds(log)
     assert seconds.keys() == {1, 2}  # an epoch without its completed line is left out
     assert seconds[1] == pytest.approx(9.5) and seconds[2] == pytest.approx(2.75)
@@ -68,8 +75,17 @@ def _tiny_run(tmp_path):
     return gen_dir, gb.write_vocabs(str(tmp_path), gen_dir, spec_dir, 128, gb.TINY["vocab_size"])
 
 
-def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: int, steps: int = 6,
-            old_collate: bool = False, reuse_buffers: bool = False, compile_mode: str = "auto") -> list[float]:
+def _losses(
+    gen_dir: str,
+    vocab_dir: str,
+    *,
+    faster: bool,
+    num_loader_workers: int,
+    steps: int = 6,
+    old_collate: bool = False,
+    reuse_buffers: bool = False,
+    compile_mode: str = "auto",
+) -> list[float]:
     """Loss per step of the worker's TrainStep (foreach AdamW, no sync per step, loader workers) or of the plain
     eager reference (per-parameter AdamW, a loss read every step, inline loading), same seed and data.
     `old_collate`: the batches of the data path before data.PackedCollate (speculators' CollateFn over samples
@@ -78,8 +94,9 @@ def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: i
     import json
     import os
 
-    from eagle3_ray import data, train_worker
-    from eagle3_ray.config import Config
+    from eagle3_ray.core.config import Config
+    from eagle3_ray.train import data
+    from eagle3_ray.train import worker as train_worker
 
     cfg = Config()
     tc = cfg.train
@@ -94,25 +111,37 @@ def _losses(gen_dir: str, vocab_dir: str, *, faster: bool, num_loader_workers: i
     args = train_worker.WorkerArgs(cfg=cfg.to_dict(), out_dir=gen_dir, capture=capture, val_ids=[], train_refs=refs)
     loader, _ = train_worker.make_loaders(cfg, args, rank=0, world=1)
     if reuse_buffers:
-        ring = data.make_loader(loader.loader.dataset, total_seq_len=tc.total_seq_len,
-                                hidden_size=capture["hidden_size"], world_size=1, rank=0, seed=cfg.run.seed,
-                                num_workers=num_loader_workers, reuse_buffers=True)
+        ring = data.make_loader(
+            loader.loader.dataset,
+            total_seq_len=tc.total_seq_len,
+            hidden_size=capture["hidden_size"],
+            world_size=1,
+            rank=0,
+            seed=cfg.run.seed,
+            num_workers=num_loader_workers,
+            reuse_buffers=True,
+        )
         loader = train_worker.DeviceBatches(ring, torch.device("cpu"), torch.float32)
     if old_collate:
         from speculators.models.eagle3.data import shift_batch
         from speculators.train.data import CollateFn
 
         ds, dtype = loader.loader.dataset, torch.float32
-        before = CollateFn(tc.total_seq_len, capture["hidden_size"], num_target_layers=3, dtype=dtype,
-                           preprocess=shift_batch)
-        loader = torch.utils.data.DataLoader(ds, batch_sampler=loader.batch_sampler,
-                                             collate_fn=lambda items: before([data.decode(s, dtype) for s in items]))
+        before = CollateFn(
+            tc.total_seq_len, capture["hidden_size"], num_target_layers=3, dtype=dtype, preprocess=shift_batch
+        )
+        loader = torch.utils.data.DataLoader(
+            ds,
+            batch_sampler=loader.batch_sampler,
+            collate_fn=lambda items: before([data.decode(s, dtype) for s in items]),
+        )
     kwargs = train_worker.loss_kwargs(cfg)
     losses = []
     if faster:
         opts = train_worker.make_optimizers(model, tc, torch.device("cpu"))
-        step = train_worker.TrainStep(model, params, opts, [], kwargs, torch.device("cpu"), autocast=False,
-                                      max_grad_norm=tc.max_grad_norm)
+        step = train_worker.TrainStep(
+            model, params, opts, [], kwargs, torch.device("cpu"), autocast=False, max_grad_norm=tc.max_grad_norm
+        )
         for batch in loader:
             sums = train_worker.MetricSums()
             sums.add(step(batch))
@@ -138,7 +167,7 @@ def test_the_worker_step_and_loader_give_the_loss_curve_of_the_plain_eager_step(
     reference = _losses(gen_dir, vocab_dir, faster=False, num_loader_workers=0)
     faster = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
     assert len(reference) == len(faster) >= 3
-    assert max(abs(a - b) for a, b in zip(reference, faster)) < 1e-4 * max(map(abs, reference))
+    assert max(abs(a - b) for a, b in zip(reference, faster, strict=True)) < 1e-4 * max(map(abs, reference))
 
 
 def test_the_new_data_path_gives_the_old_data_paths_loss_sequence_exactly(tmp_path):
@@ -162,13 +191,14 @@ def test_the_compiled_worker_step_gives_the_eager_steps_loss_sequence(tmp_path, 
     compiled = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=0, compile_mode="on", steps=4)
     assert counters["stats"]["unique_graphs"] > graphs_before  # dynamo compiled the forward (and so the backward)
     assert len(eager) == len(compiled) == 4
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4 * max(map(abs, eager))
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4 * max(map(abs, eager))
     torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("reuse", [False, True])
 def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host_counts(tmp_path, reuse):
-    from eagle3_ray import data, train_worker
+    from eagle3_ray.train import data
+    from eagle3_ray.train import worker as train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
@@ -188,7 +218,9 @@ def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host
 
 @pytest.mark.gpu
 def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(tmp_path):
-    from eagle3_ray import data, shards, train_worker
+    from eagle3_ray.core import shards
+    from eagle3_ray.train import data
+    from eagle3_ray.train import worker as train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
@@ -241,7 +273,8 @@ def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_b
     one loader iteration, whose workers read the next epoch's first batch while the consumer still holds this
     epoch's last one (nothing drains at an epoch's end), and no batch is read twice; an epoch stopped early, or an
     epoch other than the next one (a resumed run), starts the loader afresh at that epoch."""
-    from eagle3_ray import data, train_worker
+    from eagle3_ray.train import data
+    from eagle3_ray.train import worker as train_worker
 
     gen_dir, _ = _tiny_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
@@ -259,7 +292,7 @@ def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_b
         return [json.loads(line) for line in reads.read_text().splitlines()] if reads.exists() else []
 
     def same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> bool:
-        return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+        return len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
     assert not same(host(0), host(1))  # the epochs differ, so a wrong epoch fails below
     ring.batch_sampler.set_epoch(0)  # what the loop does at an epoch's start
@@ -281,7 +314,7 @@ def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_b
     assert logged.total() - expected.total() <= 2 * 2  # once: beyond them only epoch 3's read-ahead (2 x prefetch 2)
 
     ring.batch_sampler.set_epoch(3)
-    for _ in zip(range(2), batches):  # an epoch stopped early: epoch 4 starts the loader afresh
+    for _ in zip(range(2), batches, strict=False):  # an epoch stopped early: epoch 4 starts the loader afresh
         pass
     ring.batch_sampler.set_epoch(4)
     assert same([b["input_ids"].clone() for b in batches], host(4))
@@ -290,18 +323,19 @@ def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_b
 
 
 def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(monkeypatch):
-    from eagle3_ray import train_worker
+    from eagle3_ray.train import worker as train_worker
 
     monkeypatch.setattr(train_worker.os, "sched_getaffinity", lambda _pid: set(range(16)))
     monkeypatch.setattr(train_worker.torch.cuda, "device_count", lambda: 1)
-    assert train_worker.default_loader_workers(use_gpu=True) == 8   # 16 CPUs, one GPU: capped at 8
+    assert train_worker.default_loader_workers(use_gpu=True) == 8  # 16 CPUs, one GPU: capped at 8
     monkeypatch.setattr(train_worker.torch.cuda, "device_count", lambda: 8)
-    assert train_worker.default_loader_workers(use_gpu=True) == 1   # 2 CPUs per GPU, one for the loop
+    assert train_worker.default_loader_workers(use_gpu=True) == 1  # 2 CPUs per GPU, one for the loop
     assert train_worker.default_loader_workers(use_gpu=False) == 1
 
 
 def test_fp8_shards_decode_to_the_values_bf16_shards_hold_up_to_fp8_rounding(tmp_path):
-    from eagle3_ray import data, shards
+    from eagle3_ray.core import shards
+    from eagle3_ray.train import data
 
     hs = torch.randn(12, 3, 64) * 5
     for dtype in ("bfloat16", "fp8"):

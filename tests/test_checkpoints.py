@@ -8,10 +8,11 @@ import pytest
 import torch
 from fixtures_generate import shared_generate_output
 from safetensors import safe_open
-
-from eagle3_ray import checkpoints, storage, vocab
-from eagle3_ray.config import config_from_dict
 from speculators.models.eagle3 import Eagle3DraftModel
+
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.train import checkpoints, vocab
 
 
 def _capture_and_vocab(tmp_path_factory, tiny_llama) -> tuple[str, dict, str]:
@@ -26,7 +27,7 @@ def _capture_and_vocab(tmp_path_factory, tiny_llama) -> tuple[str, dict, str]:
 
 @pytest.fixture(scope="module")
 def model_and_capture(tmp_path_factory, tiny_llama):
-    from eagle3_ray.train_worker import build_model  # imports Ray: only after conftest has set its environment
+    from eagle3_ray.train.worker import build_model  # imports Ray: only after conftest has set its environment
 
     _gen_dir, capture, vocab_dir = _capture_and_vocab(tmp_path_factory, tiny_llama)
     cfg = config_from_dict({"train": {"draft_vocab_size": 256, "total_seq_len": 128}})
@@ -49,8 +50,14 @@ def test_checkpoint_holds_only_trainable_state_and_the_vocab_maps(model_and_capt
         keys = set(f.keys())
     assert not keys & set(checkpoints.FROZEN_KEYS)
     assert {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= keys
-    assert set(os.listdir(tmp_path)) >= {"config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
-                                         "train_state.json", "capture.json"}
+    assert set(os.listdir(tmp_path)) >= {
+        "config.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "train_state.json",
+        "capture.json",
+    }
 
 
 def test_checkpoint_loads_in_speculators_from_pretrained_as_it_is(model_and_capture, tmp_path):
@@ -102,13 +109,25 @@ def test_best_copy_is_replaced_whole_and_named_in_the_latest_record(model_and_ca
 def _muon_run(tmp_path_factory, tiny_llama, **train_fields):
     """The train worker's pieces on the shared capture with train.optimizer muon: (cfg, capture, the packed batches
     of epoch 0, a function building the seeded drafter with its optimizers, schedules and step)."""
-    from eagle3_ray import data, train_worker
+    from eagle3_ray.train import data
+    from eagle3_ray.train import worker as train_worker
 
     gen_dir, capture, vocab_dir = _capture_and_vocab(tmp_path_factory, tiny_llama)
 
     def config(**more):
-        return config_from_dict({"train": {"draft_vocab_size": 256, "total_seq_len": 128, "optimizer": "muon",
-                                           "num_loader_workers": 0, "epochs": 1, **train_fields, **more}})
+        return config_from_dict(
+            {
+                "train": {
+                    "draft_vocab_size": 256,
+                    "total_seq_len": 128,
+                    "optimizer": "muon",
+                    "num_loader_workers": 0,
+                    "epochs": 1,
+                    **train_fields,
+                    **more,
+                }
+            }
+        )
 
     cfg = config()
     refs, _ = data.load_refs(gen_dir)
@@ -125,15 +144,23 @@ def _muon_run(tmp_path_factory, tiny_llama, **train_fields):
         optimizers = train_worker.make_optimizers(model, cfg.train, cpu)
         schedulers = train_worker.make_schedulers(optimizers, cfg.train.warmup_steps, len(batches))
         params = [p for p in model.parameters() if p.requires_grad]
-        step = train_worker.TrainStep(model, params, optimizers, schedulers, train_worker.loss_kwargs(cfg), cpu,
-                                      autocast=False, max_grad_norm=cfg.train.max_grad_norm)
+        step = train_worker.TrainStep(
+            model,
+            params,
+            optimizers,
+            schedulers,
+            train_worker.loss_kwargs(cfg),
+            cpu,
+            autocast=False,
+            max_grad_norm=cfg.train.max_grad_norm,
+        )
         return model, optimizers, schedulers, step
 
     return cfg, capture, batches, build
 
 
 def _loss(step, batch, ttt_steps):
-    from eagle3_ray import train_worker
+    from eagle3_ray.train import worker as train_worker
 
     sums = train_worker.MetricSums()
     sums.add(step(batch))
@@ -159,8 +186,9 @@ def test_muon_takes_the_matrices_adamw_the_rest_and_the_loss_falls(tmp_path_fact
     assert norms_losses[0] == losses[0] and sum(losses[-3:]) < 0.6 * sum(norms_losses[-3:]), (losses, norms_losses)
 
 
-def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_stopped(tmp_path_factory, tiny_llama,
-                                                                                         tmp_path):
+def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_stopped(
+    tmp_path_factory, tiny_llama, tmp_path
+):
     cfg, capture, batches, build = _muon_run(tmp_path_factory, tiny_llama)
     half = len(batches) // 2
     whole, whole_opts, _scheds, whole_step = build()
@@ -170,8 +198,9 @@ def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_s
     first, first_opts, first_scheds, first_step = build()
     for batch in batches[:half]:
         _loss(first_step, batch, cfg.train.ttt_steps)
-    checkpoints.save(str(tmp_path), first, first_opts, first_scheds, {"epoch": 0, "step": half, "metrics": {},
-                                                                       "best": None}, capture)
+    checkpoints.save(
+        str(tmp_path), first, first_opts, first_scheds, {"epoch": 0, "step": half, "metrics": {}, "best": None}, capture
+    )
     resumed, resumed_opts, resumed_scheds, resumed_step = build()
     checkpoints.restore(str(tmp_path), resumed, resumed_opts, resumed_scheds)
     assert [s.last_epoch for s in resumed_scheds] == [half, half]
@@ -182,7 +211,7 @@ def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_s
     for got, want in zip(resumed_opts, whole_opts, strict=True):
         assert got.param_groups[0]["lr"] == want.param_groups[0]["lr"]
 
-    from eagle3_ray import train_worker
+    from eagle3_ray.train import worker as train_worker
 
     adamw_only = train_worker.make_optimizers(resumed, config_from_dict({}).train, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"optimizers \['Muon', 'AdamW'\], this run builds \['AdamW'\]"):

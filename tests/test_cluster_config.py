@@ -21,8 +21,14 @@ RAYJOB_SCHEMA = json.loads((REPO / "tests/data/kuberay/rayjob_v1_schema.json").r
 
 
 def _all_commands(cfg: dict) -> list[str]:
-    keys = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-            "head_start_ray_commands", "worker_start_ray_commands")
+    keys = (
+        "initialization_commands",
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    )
     return [c for k in keys for c in cfg.get(k, [])]
 
 
@@ -38,11 +44,19 @@ def test_cluster_validation_rejects_fractional_resources_so_the_check_is_real():
 
 
 def test_repo_never_turns_ray_authentication_off():
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     paths = [REPO / name for name in listed if name != f"tests/{Path(__file__).name}"]
-    offenders = [str(p) for p in paths if p.is_file()
-                 and re.search(r"RAY_AUTH_MODE\s*[=:]\s*['\"]?disabled", p.read_text(errors="ignore"))]
+    offenders = [
+        str(p)
+        for p in paths
+        if p.is_file() and re.search(r"RAY_AUTH_MODE\s*[=:]\s*['\"]?disabled", p.read_text(errors="ignore"))
+    ]
     assert len(paths) > 10 and offenders == []
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from fixtures_generate import shared_generate_output
 
-from eagle3_ray import data, shards, storage
-from eagle3_ray.config import config_from_dict
-from eagle3_ray.train import prepare_samples
+from eagle3_ray.core import shards, storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.train import data
+from eagle3_ray.train.stage import prepare_samples
 
 
 @pytest.fixture(scope="session")
@@ -52,10 +53,10 @@ def test_packed_batches_are_shifted_by_one_as_eagle3_requires(gen_dir):
     batch = next(iter(loader))
     first = loader.batch_sampler.batches(0)[0][0]  # the first packed sample of the first batch
     raw, n = ds[first], refs[first].num_tokens - 1
-    assert batch["input_ids"][0, :n].tolist() == raw["input_ids"][1:].tolist()          # x1 ...
-    assert torch.equal(batch["hidden_states"][0, :n], raw["hidden_states"][:-1])        # g0 ...
+    assert batch["input_ids"][0, :n].tolist() == raw["input_ids"][1:].tolist()  # x1 ...
+    assert torch.equal(batch["hidden_states"][0, :n], raw["hidden_states"][:-1])  # g0 ...
     assert torch.equal(batch["verifier_last_hidden_states"][0, :n], raw["verifier_last_hidden_states"][1:])  # y1
-    assert batch["loss_mask"][0, :n].tolist() == raw["loss_mask"][1:].tolist()          # l1 ...
+    assert batch["loss_mask"][0, :n].tolist() == raw["loss_mask"][1:].tolist()  # l1 ...
     assert batch["input_ids"].shape == (1, 256) and (batch["document_ids"][0, :n] == 0).all()
 
 
@@ -92,8 +93,9 @@ def test_manifest_disagreeing_with_shards_is_reported(gen_copy):
     rows = storage.read_parquet(f"{gen_copy}/manifest.parquet").to_pylist()
     rows[0]["num_tokens"] -= 1
     rows[1]["key"] = "no-such-key"
-    storage.write_parquet_atomic(f"{gen_copy}/manifest.parquet",
-                                 pa.Table.from_pylist(rows, schema=shards.MANIFEST_SCHEMA))
+    storage.write_parquet_atomic(
+        f"{gen_copy}/manifest.parquet", pa.Table.from_pylist(rows, schema=shards.MANIFEST_SCHEMA)
+    )
     capture = storage.read_json(f"{gen_copy}/capture.json")
     _, problems = prepare_samples(gen_copy, capture, _cfg(on_bad_sample="skip"))
     assert "manifest says" in problems[rows[0]["id"]] and rows[0]["shard"] in problems[rows[0]["id"]]
@@ -110,8 +112,9 @@ def test_non_finite_hidden_states_fail_or_are_skipped_and_counted(gen_copy):
     with pytest.raises(data.BadSampleError, match=rf"{ref.shard_path} key {ref.key}.*layer 3: 1 non-finite values"):
         data.ShardDataset(refs, num_aux=3, layer_ids=[1, 3, 4, 6], on_bad_sample="fail")[0]
     skipping = data.ShardDataset(refs, num_aux=3, on_bad_sample="skip")
-    loader = data.make_loader(skipping, total_seq_len=4096, hidden_size=256, world_size=1, rank=0, seed=0,
-                              num_workers=0)
+    loader = data.make_loader(
+        skipping, total_seq_len=4096, hidden_size=256, world_size=1, rank=0, seed=0, num_workers=0
+    )
     assert sum(b["error_records"] for b in loader) == 1
 
 
@@ -124,8 +127,11 @@ def test_a_sample_with_all_zero_rows_in_a_layer_fails_on_load_naming_shard_and_l
     tensors[f"{ref.key}.hs"] = hs
     shards.write_shard(ref.shard_path, tensors)
     ds = data.ShardDataset(refs, num_aux=3, layer_ids=[1, 3, 4, 6], on_bad_sample="fail")
-    with pytest.raises(data.BadSampleError, match=rf"{ref.shard_path} key {ref.key}.*layer 4: {ref.num_tokens} of "
-                                                  rf"{ref.num_tokens} token rows are all zero"):
+    with pytest.raises(
+        data.BadSampleError,
+        match=rf"{ref.shard_path} key {ref.key}.*layer 4: {ref.num_tokens} of "
+        rf"{ref.num_tokens} token rows are all zero",
+    ):
         ds[0]
 
 
@@ -147,14 +153,14 @@ def test_validation_split_is_stable_by_id():
 
 
 def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_item_its_own_group():
-    from eagle3_ray.shards import greedy_groups
+    from eagle3_ray.core.shards import greedy_groups
 
     assert greedy_groups([3, 4, 2, 9, 1, 5], budget=7) == [[0, 1], [2], [3], [4, 5]]
     assert greedy_groups([7, 7], budget=7) == [[0], [1]] and greedy_groups([], budget=7) == []
 
 
 def test_interleaved_groups_spread_neighbours_over_the_shards_and_keep_each_within_the_budget():
-    from eagle3_ray.shards import interleaved_groups
+    from eagle3_ray.core.shards import interleaved_groups
 
     assert interleaved_groups([2] * 7, budget=6) == [[0, 3, 6], [1, 4], [2, 5]]  # as many groups as greedy packing
     # round-robin over greedy's 3 groups would put 0 and 3 together (8 > 5): one more group keeps each within it
@@ -178,8 +184,11 @@ def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
             tensors.update(shards.encode_sample(key, shards.read_sample(path, key), "fp8"))
         shards.write_shard(fp8_path, tensors)
     for r in refs:
-        out.append(data.SampleRef(r.id, str(tmp_path / r.shard_path.split("/")[-1]), r.key, r.num_tokens,
-                                  r.input_ids, r.loss_mask))
+        out.append(
+            data.SampleRef(
+                r.id, str(tmp_path / r.shard_path.split("/")[-1]), r.key, r.num_tokens, r.input_ids, r.loss_mask
+            )
+        )
     return out
 
 
@@ -187,7 +196,8 @@ def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_workers,reuse", [(0, False), (2, False), (2, True)])
 def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_decoded_samples(
-        gen_dir, tmp_path, stored, dtype, num_workers, reuse):
+    gen_dir, tmp_path, stored, dtype, num_workers, reuse
+):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
@@ -195,14 +205,23 @@ def test_packed_batches_decoded_on_the_device_equal_speculators_collate_of_host_
     ds = data.ShardDataset(refs, num_aux=3, dtype=dtype)
     longest = max(r.num_tokens for r in refs)
     for total in (longest - 3, 3 * longest):  # the longest sample cut at the budget; several samples per batch
-        loader = data.make_loader(ds, total_seq_len=total, hidden_size=256, world_size=1, rank=0, seed=0,
-                                  num_workers=num_workers, prefetch_factor=3, reuse_buffers=reuse)
+        loader = data.make_loader(
+            ds,
+            total_seq_len=total,
+            hidden_size=256,
+            world_size=1,
+            rank=0,
+            seed=0,
+            num_workers=num_workers,
+            prefetch_factor=3,
+            reuse_buffers=reuse,
+        )
         before = CollateFn(total, 256, num_target_layers=3, dtype=dtype, preprocess=shift_batch)  # the old path
         groups = loader.batch_sampler.batches(0)
         batches = _received(loader)
         assert len(batches) == len(groups) >= 3
         assert any(len(g) > 1 for g in groups) if total > longest else any(len(g) == 1 for g in groups)
-        for group, batch in zip(groups, batches):
+        for group, batch in zip(groups, batches, strict=True):
             wire = torch.float8_e4m3fn if stored == "fp8" else torch.bfloat16
             assert batch["hidden_states"].dtype == wire and batch["hidden_states"].shape == (1, total, 768)
             assert (stored == "fp8") == ("hidden_states_exp" in batch)
@@ -220,8 +239,7 @@ def _received(loader) -> list[dict]:
     """The loader's batches as the consumer received them (copies, a RingLoader's released)."""
     out = []
     for batch in loader:
-        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-                    if k != data.RING_KEY})
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != data.RING_KEY})
         getattr(loader, "release", lambda _batch: None)(batch)
     return out
 
@@ -291,7 +309,7 @@ def test_a_batch_buffer_is_written_only_after_the_batch_before_it_was_released()
     ring.release(1, 0)
     assert ring.acquire(1, 2).take("x", (4,), torch.float32).data_ptr() == first.data_ptr()
     ring.release(1, 1)
-    assert ring.acquire(1, 3).take("y", (10 ** 6,), torch.uint8) is None  # too big for a slot: a fresh buffer
+    assert ring.acquire(1, 3).take("y", (10**6,), torch.uint8) is None  # too big for a slot: a fresh buffer
 
 
 def test_skipped_samples_are_counted_and_an_all_skipped_batch_is_speculators_empty_batch(gen_dir):

@@ -12,18 +12,35 @@ from pathlib import Path
 import pytest
 from drafters import attach, cached_run
 
-from eagle3_ray import evaluate, export, report, storage
-from eagle3_ray.config import config_from_dict, dump_config
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict, dump_config
+from eagle3_ray.evaluate import report
+from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.train import export
 
 ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 8}
 
 
 def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
-    fields = {"num_prompts": 8, "max_tokens": 48, "num_speculative_tokens": [3], "concurrency": [1, 4],
-              "engine_kwargs": ENGINE_KWARGS, "report_only": True, **evaluate_fields}
-    return attach(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                                    "verifier": {"path": verifier_dir, "max_model_len": 512},
-                                    "export": {"checkpoint": "last"}, "evaluate": fields}))
+    fields = {
+        "num_prompts": 8,
+        "max_tokens": 48,
+        "num_speculative_tokens": [3],
+        "concurrency": [1, 4],
+        "engine_kwargs": ENGINE_KWARGS,
+        "report_only": True,
+        **evaluate_fields,
+    }
+    return attach(
+        config_from_dict(
+            {
+                "run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                "verifier": {"path": verifier_dir, "max_model_len": 512},
+                "export": {"checkpoint": "last"},
+                "evaluate": fields,
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +50,13 @@ def trained(tmp_path_factory, tiny_llama, ray_session):
     export.run(make_cfg(run_dir, tiny_llama))  # the last checkpoint: 200 steps
     summary = evaluate.run(make_cfg(run_dir, tiny_llama))
     out_dir = storage.latest(str(run_dir), "evaluate")["path"]
-    return {"run_dir": run_dir, "verifier": tiny_llama, "summary": summary, "out_dir": out_dir,
-            "results": storage.read_json(storage.join(out_dir, "results.json"))}
+    return {
+        "run_dir": run_dir,
+        "verifier": tiny_llama,
+        "summary": summary,
+        "out_dir": out_dir,
+        "results": storage.read_json(storage.join(out_dir, "results.json")),
+    }
 
 
 def spec_rows(results):
@@ -57,7 +79,7 @@ def test_greedy_outputs_are_identical_with_and_without_the_drafter(trained):
 
 
 def test_gate_fails_a_drafter_that_changes_a_greedy_output_one_request_at_a_time(trained):
-    from eagle3_ray.evaluate import gate
+    from eagle3_ray.evaluate.stage import gate
 
     cfg = make_cfg(trained["run_dir"], trained["verifier"], concurrency=[1, 4])
     rows = [dict(r) for r in trained["results"]["rows"]]
@@ -95,8 +117,9 @@ def test_gate_fails_a_missed_threshold_and_passes_a_met_one_without_restarting_e
     with pytest.raises(evaluate.DeployGateError, match=r"mean acceptance length .* < min_acceptance_length 4"):
         evaluate.run(make_cfg(run_dir, tiny_llama, min_acceptance_length=4.0, report_only=False))
     measured = min(r["mean_acceptance_length"] for r in spec_rows(trained["results"]))
-    passed = evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup={4: 0.01}, min_acceptance_length=measured,
-                                   report_only=False))
+    passed = evaluate.run(
+        make_cfg(run_dir, tiny_llama, min_speedup={4: 0.01}, min_acceptance_length=measured, report_only=False)
+    )
     assert passed["passed"] and passed["gate"]["recommended_num_speculative_tokens"] == 3
     reported = evaluate.run(make_cfg(run_dir, tiny_llama, min_speedup=1000.0, report_only=True))
     assert not reported["passed"]
@@ -108,8 +131,13 @@ def test_evaluate_job_exits_nonzero_with_a_summary_when_the_gate_fails(trained, 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(dump_config(make_cfg(trained["run_dir"], tiny_llama, report_only=False)))
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "ray_jobs/evaluate.py", str(recipe), "evaluate.min_speedup=1000"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "ray_jobs/evaluate.py", str(recipe), "evaluate.min_speedup=1000"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "deploy gate FAILED" in proc.stderr and "speedup" in proc.stderr
     assert proc.stdout.rstrip().splitlines()[-1].startswith("  miss: k=3")  # the log ends with the summary table
@@ -117,8 +145,14 @@ def test_evaluate_job_exits_nonzero_with_a_summary_when_the_gate_fails(trained, 
 
 def test_report_files_exist_and_hold_the_measured_numbers(trained):
     out = Path(trained["out_dir"])
-    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "acceptance_per_position.png",
-                                              "throughput_vs_concurrency.png", "_SUCCESS", "provenance.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "results.json",
+        "report.md",
+        "acceptance_per_position.png",
+        "throughput_vs_concurrency.png",
+        "_SUCCESS",
+        "provenance.json",
+    }
     for png in ("acceptance_per_position.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((out / "results.json").read_text())
@@ -126,13 +160,15 @@ def test_report_files_exist_and_hold_the_measured_numbers(trained):
     for row in spec_rows(results):
         assert len(row["acceptance_per_position"]) == 3
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["baseline_tokens_per_s"])
-        assert f"| 3 | {row['concurrency']} | {row['baseline_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | " \
-               f"{row['speedup']:.2f}x | {row['acceptance_rate']:.3f} | {row['mean_acceptance_length']:.3f} |" in report
+        assert (
+            f"| 3 | {row['concurrency']} | {row['baseline_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f}x | {row['acceptance_rate']:.3f} | {row['mean_acceptance_length']:.3f} |" in report
+        )
     assert [r["concurrency"] for r in results["rows"] if not r["num_speculative_tokens"]] == [1, 4]
 
 
 def test_prompts_seen_in_training_are_refused(trained, tiny_llama, tmp_path):
-    from eagle3_ray.prompts import tiny_prompts
+    from eagle3_ray.core.prompts import tiny_prompts
 
     prompts = tmp_path / "prompts.jsonl"
     rows = tiny_prompts(split="eval", num_prompts=7) + tiny_prompts(split="train", num_prompts=1)
@@ -144,13 +180,14 @@ def test_prompts_seen_in_training_are_refused(trained, tiny_llama, tmp_path):
 def test_online_runs_check_held_out_prompts_against_the_ingested_conversations(tmp_path):
     import pyarrow as pa
 
-    from eagle3_ray.evaluate import check_held_out
+    from eagle3_ray.evaluate.stage import check_held_out
 
     run_dir = str(tmp_path / "run")
     ingest_dir = storage.stage_dir(run_dir, "ingest", "v1")
     messages = [[{"role": "user", "content": "write a parser"}]]
-    storage.write_parquet_atomic(storage.join(ingest_dir, "conversations.parquet"),
-                                 pa.table({"id": ["a1"], "messages": messages}))
+    storage.write_parquet_atomic(
+        storage.join(ingest_dir, "conversations.parquet"), pa.table({"id": ["a1"], "messages": messages})
+    )
     held_out = [{"id": "b2", "messages": [{"role": "user", "content": "sort a list"}]}]
     assert check_held_out(held_out, ingest_dir)["num_train_conversations"] == 1
     with pytest.raises(ValueError, match="in the training data"):
@@ -184,7 +221,7 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
     from speculators.models.eagle3.data import shift_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle3_ray import acceptance
+    from eagle3_ray.train import acceptance
 
     tok = AutoTokenizer.from_pretrained(verifier_dir)
     verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
@@ -196,8 +233,9 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
     with torch.no_grad():  # the export leaves the embeddings out: vLLM shares the verifier's, so does this copy
         drafter.embed_tokens.weight.copy_(verifier.model.embed_tokens.weight)
     aux, num_layers = drafter.config.eagle_aux_hidden_state_layer_ids, verifier.config.num_hidden_layers
-    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", ttt_steps=k,
-                                                    ttt_step_loss_decay=1.0)
+    kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=k, ttt_step_loss_decay=1.0
+    )
     sums: dict[str, float] = {}
     with torch.no_grad():
         for p in prompts:
@@ -205,10 +243,17 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
             full = verifier.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[:, :-1]
             layers = verifier(full, output_hidden_states=True).hidden_states  # shape: L+1 x [1, T, H]
             mask = torch.zeros(full.shape[1], dtype=torch.long)
-            mask[len(prompt):] = 1
-            batch = shift_batch({"input_ids": full[0], "hidden_states": torch.cat([layers[i][0] for i in aux], -1),
-                                 "verifier_last_hidden_states": pre_norm["h"][0], "loss_mask": mask,
-                                 "lengths": torch.tensor([full.shape[1]]), "position_ids": torch.arange(full.shape[1])})
+            mask[len(prompt) :] = 1
+            batch = shift_batch(
+                {
+                    "input_ids": full[0],
+                    "hidden_states": torch.cat([layers[i][0] for i in aux], -1),
+                    "verifier_last_hidden_states": pre_norm["h"][0],
+                    "loss_mask": mask,
+                    "lengths": torch.tensor([full.shape[1]]),
+                    "position_ids": torch.arange(full.shape[1]),
+                }
+            )
             batch = {name: v[None] for name, v in batch.items() if name != "lengths"}
             docs = torch.zeros_like(batch["input_ids"])
             draft, _, _ = drafter(**batch, document_ids=docs, **kwargs)
@@ -225,10 +270,12 @@ def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_accept
     predicted = replay_on_prompts(tiny_llama, drafter, evaluate.load_prompts(cfg), cfg.evaluate.max_tokens, 3)
     rows = trained["results"]["rows"]
     measured, measured_pos = report.measured_acceptance([r for r in rows if r["concurrency"] == 1], 3)
-    print(f"k=3 mean acceptance length: replay {predicted['val_replay_acceptance_length_k3']:.3f} "
-          f"vLLM {measured:.3f}; per position replay "
-          f"{[round(predicted[f'val_replay_acc_k3_{j}'], 3) for j in range(3)]} "
-          f"vLLM {[round(a, 3) for a in measured_pos]}")
+    print(
+        f"k=3 mean acceptance length: replay {predicted['val_replay_acceptance_length_k3']:.3f} "
+        f"vLLM {measured:.3f}; per position replay "
+        f"{[round(predicted[f'val_replay_acc_k3_{j}'], 3) for j in range(3)]} "
+        f"vLLM {[round(a, 3) for a in measured_pos]}"
+    )
     assert abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05
     [check] = evaluate.predicted_vs_measured(predicted, rows, {3: trained["results"]["vllm_speculative"]["3"]})
     assert not check["flagged"] and check["predicted_acceptance_length"] == predicted["val_replay_acceptance_length_k3"]
@@ -236,19 +283,28 @@ def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_accept
 
 def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_next_to_measured(trained):
     results = trained["results"]
-    assert results["vllm_speculative"]["3"]["drafter_flags"] == {"norm_before_residual": True, "norm_before_fc": True,
-                                                                "fc_norm": False, "norm_output": True}
+    assert results["vllm_speculative"]["3"]["drafter_flags"] == {
+        "norm_before_residual": True,
+        "norm_before_fc": True,
+        "fc_norm": False,
+        "norm_output": True,
+    }
     [item] = results["predicted_vs_measured"]
     assert item["num_speculative_tokens"] == 3 and item["measured_acceptance_length"] > 1.0
-    assert len(item["measured_per_position"]) == 3 and "k=3: mean acceptance length predicted" in \
-        report.summary_table(results)
+    assert len(item["measured_per_position"]) == 3 and "k=3: mean acceptance length predicted" in report.summary_table(
+        results
+    )
     assert "Predicted (training's replay of vLLM's chain" in (Path(trained["out_dir"]) / "report.md").read_text()
 
 
 def spec_row_for(k: int, num_drafts: int, accepted_per_pos: list[int]) -> dict:
-    return {"num_speculative_tokens": k, "concurrency": 1, "num_drafts": num_drafts,
-            "num_accepted_tokens": sum(accepted_per_pos),
-            "acceptance_per_position": [a / num_drafts for a in accepted_per_pos]}
+    return {
+        "num_speculative_tokens": k,
+        "concurrency": 1,
+        "num_drafts": num_drafts,
+        "num_accepted_tokens": sum(accepted_per_pos),
+        "acceptance_per_position": [a / num_drafts for a in accepted_per_pos],
+    }
 
 
 def test_a_prediction_far_from_vllm_is_flagged_naming_what_to_check_and_a_close_one_is_not():
@@ -271,8 +327,10 @@ def test_acceptance_plot_has_integer_draft_positions_and_prediction_on_the_measu
     import matplotlib.pyplot as plt
 
     rows = [spec_row_for(5, 100, [60, 40, 30, 20, 10])]
-    results = {"rows": rows, "predicted_vs_measured": [{"num_speculative_tokens": 5,
-                                                        "predicted_per_position": [0.6, 0.45, 0.3, 0.2, 0.1]}]}
+    results = {
+        "rows": rows,
+        "predicted_vs_measured": [{"num_speculative_tokens": 5, "predicted_per_position": [0.6, 0.45, 0.3, 0.2, 0.1]}],
+    }
     fig = report.acceptance_figure(plt, results)
     [ax] = fig.axes
     fig.canvas.draw()

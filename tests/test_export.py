@@ -10,14 +10,21 @@ import torch
 from drafters import attach, cached_run
 from safetensors import safe_open
 
-from eagle3_ray import contract, export, storage
-from eagle3_ray.config import config_from_dict
+from eagle3_ray.core import contract, storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.train import export
 
 
 def make_cfg(run_dir, verifier_dir: str, **export_fields):
-    return attach(config_from_dict({"run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
-                                    "verifier": {"path": verifier_dir, "max_model_len": 512},
-                                    "export": export_fields}))
+    return attach(
+        config_from_dict(
+            {
+                "run": {"storage_path": str(run_dir.parent), "name": run_dir.name},
+                "verifier": {"path": verifier_dir, "max_model_len": 512},
+                "export": export_fields,
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +44,10 @@ def test_export_writes_bf16_speculators_drafter_without_optimizer_or_frozen_veri
     config = storage.read_json(storage.join(out, "config.json"))
     assert config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert config["speculators_config"]["verifier"] == {"architectures": ["LlamaForCausalLM"],
-                                                        "name_or_path": tiny_llama}
+    assert config["speculators_config"]["verifier"] == {
+        "architectures": ["LlamaForCausalLM"],
+        "name_or_path": tiny_llama,
+    }
     assert config["draft_vocab_size"] == 1024 and config["dtype"] == "bfloat16"
     with safe_open(f"{out}/model.safetensors", "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -54,7 +63,7 @@ def test_exported_drafter_loads_in_speculators_with_the_checkpoint_weights(expor
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3_ray.checkpoints import load_drafter
+    from eagle3_ray.train.checkpoints import load_drafter
 
     # speculators' from_pretrained, then its own refill of the embeddings from the verifier named in config.json
     # (from_pretrained alone leaves weights absent from the file uninitialised)
@@ -85,8 +94,9 @@ def test_export_of_last_checkpoint_is_its_own_version_and_a_rerun_is_a_no_op(exp
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the best checkpoint for the other tests
 
 
-def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(run_dir, tiny_llama,
-                                                                                           tmp_path):
+def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_naming_both(
+    run_dir, tiny_llama, tmp_path
+):
     bad_run = tmp_path / "bad"
     shutil.copytree(run_dir, bad_run, ignore=shutil.ignore_patterns("export"), symlinks=True)
     best = storage.latest(str(run_dir), "train")["best"]["path"]
@@ -96,8 +106,11 @@ def test_drafter_listing_other_aux_layer_ids_than_the_captured_data_is_refused_n
     config = json.loads(config_path.read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids=\[1, 3, 5\] but data was captured at "
-                                         r"\[1, 3, 4\] \(.*capture\.json\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"eagle_aux_hidden_state_layer_ids=\[1, 3, 5\] but data was captured at "
+        r"\[1, 3, 4\] \(.*capture\.json\)",
+    ):
         export.run(make_cfg(bad_run, tiny_llama))
     assert not (bad_run / "export" / "LATEST.json").exists()
 
@@ -106,16 +119,19 @@ def test_contract_says_which_side_says_what_for_norm_sizes_and_architecture(expo
     drafter = storage.read_json(storage.join(exported["speculators_dir"], "config.json"))
     verifier = json.loads(open(f"{tiny_llama}/config.json").read())
     capture = storage.read_json(storage.join(exported["speculators_dir"], "..", "capture.json"))
-    assert contract.check_contract(drafter, capture, verifier, drafter_where="d", capture_where="c")["aux_layer_ids"] \
-        == [1, 3, 4]
+    assert contract.check_contract(drafter, capture, verifier, drafter_where="d", capture_where="c")[
+        "aux_layer_ids"
+    ] == [1, 3, 4]
     bad = {**capture, "final_layer_norm": "post", "hidden_size": 512, "verifier_architectures": ["Qwen3ForCausalLM"]}
     with pytest.raises(ValueError) as err:
         contract.check_contract(drafter, bad, verifier, drafter_where="d", capture_where="c", verifier_where="v")
     message = str(err.value)
     assert "final_layer_norm='post'" in message and "expects 'pre'" in message
     assert "drafter config (d) verifier hidden_size=256 but capture.json (c) says hidden_size=512" in message
-    assert "verifier config (v) architectures=['LlamaForCausalLM'] but capture.json (c) says " \
-           "verifier_architectures=['Qwen3ForCausalLM']" in message
+    assert (
+        "verifier config (v) architectures=['LlamaForCausalLM'] but capture.json (c) says "
+        "verifier_architectures=['Qwen3ForCausalLM']" in message
+    )
     nested = {"architectures": ["Qwen3VLForConditionalGeneration"], "text_config": {**verifier, "vocab_size": 99}}
     with pytest.raises(ValueError, match="vocab_size=99"):
         contract.check_contract(drafter, capture, nested, drafter_where="d", capture_where="c", verifier_where="v")
@@ -123,10 +139,17 @@ def test_contract_says_which_side_says_what_for_norm_sizes_and_architecture(expo
 
 def synthetic_drafter_config(**flags) -> dict:
     """The parts of a speculators eagle3 config.json that the serving check reads."""
-    return {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
-            "norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": False,
-            "transformer_layer_config": {"model_type": "llama", "hidden_size": 256},
-            "speculators_config": {"verifier": {"architectures": ["LlamaForCausalLM"]}}, **flags}
+    return {
+        "speculators_model_type": "eagle3",
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+        "norm_before_residual": True,
+        "norm_before_fc": True,
+        "fc_norm": False,
+        "norm_output": False,
+        "transformer_layer_config": {"model_type": "llama", "hidden_size": 256},
+        "speculators_config": {"verifier": {"architectures": ["LlamaForCausalLM"]}},
+        **flags,
+    }
 
 
 def test_a_drafter_config_vllm_0_24_would_misread_is_refused_with_the_reason_and_the_fix():
@@ -151,10 +174,15 @@ def test_the_same_drafter_config_passes_for_vllm_0_32_and_0_33_and_for_0_24_in_t
 
 
 def test_vllm_0_24_refuses_a_deepseek_drafter_that_reads_the_final_layer_and_unknown_old_versions():
-    config = synthetic_drafter_config(eagle_aux_hidden_state_layer_ids=[2, 30, 61],
-                                      speculators_config={"verifier": {"architectures": ["DeepseekV3ForCausalLM"]}})
-    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM .* \(aux id 61\), which vLLM 0.24's DeepSeek-V2/V3 "
-                                         r"code cannot capture"):
+    config = synthetic_drafter_config(
+        eagle_aux_hidden_state_layer_ids=[2, 30, 61],
+        speculators_config={"verifier": {"architectures": ["DeepseekV3ForCausalLM"]}},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"DeepseekV3ForCausalLM .* \(aux id 61\), which vLLM 0.24's DeepSeek-V2/V3 "
+        r"code cannot capture",
+    ):
         contract.check_serving(config, "0.24", where="d", num_hidden_layers=61)
     assert contract.check_serving(config, "0.32", where="d", num_hidden_layers=61)
     with pytest.raises(ValueError, match=r"vLLM 0.20.1 is older than every supported serving vLLM"):
@@ -162,8 +190,11 @@ def test_vllm_0_24_refuses_a_deepseek_drafter_that_reads_the_final_layer_and_unk
 
 
 def test_export_for_vllm_0_24_refuses_a_norm_output_drafter_and_its_compat_layout_serves_it(run_dir, tiny_llama):
-    with pytest.raises(ValueError, match=r"(?s)vLLM 0.24 would silently misread the drafter exported from "
-                                         r"\S+/best:\n  - norm_output=True is not carried over"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)vLLM 0.24 would silently misread the drafter exported from "
+        r"\S+/best:\n  - norm_output=True is not carried over",
+    ):
         export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24"))
     summary = export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24", vllm_compat_layout=True))
     config = storage.read_json(storage.join(summary["speculators_dir"], "config.json"))
@@ -174,5 +205,9 @@ def test_export_for_vllm_0_24_refuses_a_norm_output_drafter_and_its_compat_layou
 
 def test_export_records_the_installed_vllm_it_was_checked_against(exported):
     assert exported["serving_vllm"]["vllm_version"] == contract.installed_vllm_version() == "0.32.0"
-    assert exported["serving_vllm"]["flags"] == {"norm_before_residual": True, "norm_before_fc": True,
-                                                "fc_norm": False, "norm_output": True}
+    assert exported["serving_vllm"]["flags"] == {
+        "norm_before_residual": True,
+        "norm_before_fc": True,
+        "fc_norm": False,
+        "norm_output": True,
+    }

@@ -19,19 +19,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3_ray import shards, storage
-from eagle3_ray.config import config_from_dict
+from eagle3_ray.core import shards, storage
+from eagle3_ray.core.config import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ingest_fixtures import conversations, write_ingest  # noqa: E402
 from processes import kill_processes  # noqa: E402
 
 
-
 # The stage modules import ray; they are imported inside tests so that Ray reads the session's auth settings
 # (conftest's _isolated_env), not the ones present at collection time.
 def run(cfg):
-    from eagle3_ray.generate import run as run_stage
+    from eagle3_ray.generate.stage import run as run_stage
 
     return run_stage(cfg)
 
@@ -39,12 +38,15 @@ def run(cfg):
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
 
 
-def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> "Config":  # noqa: F821
+def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> Config:  # noqa: F821
     gen = {"max_tokens": 16, "max_batch_tokens": 256, "shard_max_bytes": 150_000, "engine_kwargs": ENGINE, **generate}
-    return config_from_dict({"run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
-                             "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4],
-                                          "max_model_len": 1024},
-                             "generate": gen})
+    return config_from_dict(
+        {
+            "run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
+            "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4], "max_model_len": 1024},
+            "generate": gen,
+        }
+    )
 
 
 def ingest(cfg, verifier: str, **kwargs):
@@ -62,7 +64,8 @@ def hf_reference(model, input_ids: list[int], layer_ids: list[int]) -> torch.Ten
     norm (HF overwrites hidden_states[L] with the normed state, so hook the layer)."""
     captured = {}
     hook = model.model.layers[-1].register_forward_hook(
-        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         hidden = model(torch.tensor([input_ids]), output_hidden_states=True).hidden_states
     hook.remove()
@@ -99,8 +102,9 @@ def assert_every_sample_exactly_once(out: str, ingested, rejected_ids=()):
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory, tiny_llama_fp32, ray_session):
     """One generate run on the fp32 verifier: multi-turn conversations and one sample over the token budget."""
-    cfg = make_cfg(tmp_path_factory.mktemp("fp32"), tiny_llama_fp32, "float32", hidden_states_dtype="float32",
-                   oversize="reject")
+    cfg = make_cfg(
+        tmp_path_factory.mktemp("fp32"), tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject"
+    )
     table = ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
     summary = run(cfg)
     return cfg, table, summary
@@ -159,8 +163,10 @@ def test_the_engine_actor_batches_as_vllm_llm_would_for_the_same_arguments(fp32_
     cfg = fp32_run[0]
     engines = [storage.read_json(p) for p in glob.glob(f"{out_dir(cfg)}/engines/*.json")]
     args = dict(model=tiny_llama_fp32, dtype="float32", max_model_len=cfg.verifier.max_model_len, **ENGINE)
-    limits = {c: EngineArgs(**args).create_engine_config(c).scheduler_config.max_num_batched_tokens
-              for c in (UsageContext.LLM_CLASS, UsageContext.ENGINE_CONTEXT)}
+    limits = {
+        c: EngineArgs(**args).create_engine_config(c).scheduler_config.max_num_batched_tokens
+        for c in (UsageContext.LLM_CLASS, UsageContext.ENGINE_CONTEXT)
+    }
     assert limits[UsageContext.LLM_CLASS] > limits[UsageContext.ENGINE_CONTEXT]
     assert engines and {e["max_num_batched_tokens"] for e in engines} == {limits[UsageContext.LLM_CLASS]}
 
@@ -172,7 +178,7 @@ def test_finished_stage_rerun_is_a_no_op(fp32_run):
 
 
 def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_path):
-    from eagle3_ray.generate import plan_units
+    from eagle3_ray.generate.stage import plan_units
 
     cfg = make_cfg(tmp_path, "unused", max_batch_tokens=100, oversize="alone")
     rows = [{"id": f"s{i}", "messages": [], "source": "x"} for i in range(5)]
@@ -184,8 +190,8 @@ def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_
 
 
 def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_path, ray_session):
-    from eagle3_ray.engine import engine_kwargs
-    from eagle3_ray.generate import placement_args
+    from eagle3_ray.generate.engine import engine_kwargs
+    from eagle3_ray.generate.stage import placement_args
 
     cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
     created = []
@@ -203,7 +209,7 @@ def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_pat
 
 
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
-    from eagle3_ray import engine
+    from eagle3_ray.generate import engine
 
     monkeypatch.setattr(engine, "_cpu_platform", lambda: False)  # the platform check is all that differs on a GPU
     cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
@@ -214,7 +220,7 @@ def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tm
     """Ray gives an actor OMP_NUM_THREADS = its CPUs when the job set none; vLLM reads any OMP_NUM_THREADS as the
     user's choice and then keeps that many torch threads in its EngineCore (their spin-waits slowed the CPU engine's
     decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value."""
-    from eagle3_ray import engine
+    from eagle3_ray.generate import engine
 
     cfg = make_cfg(tmp_path, "unused")
 
@@ -234,7 +240,7 @@ def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tm
 
 
 def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cpus():
-    from eagle3_ray.engine import cpu_thread_binding
+    from eagle3_ray.generate.engine import cpu_thread_binding
 
     assert cpu_thread_binding(2, [0, 1]) == "0|1"
     assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
@@ -243,8 +249,14 @@ def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cpus():
 
 def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, tiny_llama_fp32, ray_session):
     """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states."""
-    cfg = make_cfg(tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", tensor_parallel_size=2,
-                   num_gpus_per_worker=0.0)
+    cfg = make_cfg(
+        tmp_path,
+        tiny_llama_fp32,
+        "float32",
+        hidden_states_dtype="float32",
+        tensor_parallel_size=2,
+        num_gpus_per_worker=0.0,
+    )
     table = ingest(cfg, tiny_llama_fp32, num_single=6, num_multi=2)
     summary = run(cfg)
     assert summary["rows_ok"] == table.num_rows
@@ -259,22 +271,26 @@ def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
         infos = list(Path(out, "engines").glob("*.json")) if Path(out, "engines").exists() else []
         if infos and list(Path(out, "parts").glob("*.parquet")):
             pids = storage.read_json(str(infos[0]))["engine_pids"]
-            return next(p for p in pids
-                        if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name())
+            return next(
+                p for p in pids if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name()
+            )
         time.sleep(0.02)  # the kill should land while most units are still to come, on a fast machine too
     raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
 
 
 def _start_stage_job(cfg) -> subprocess.Popen:
     """The generate stage as its own process (its own session, so a kill takes its Ray workers with it)."""
-    code = ("import sys; from eagle3_ray.config import config_from_dict; from eagle3_ray.generate import run; "
-            f"run(config_from_dict({cfg.to_dict()!r}))")
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import sys; from eagle3_ray.core.config import config_from_dict; from eagle3_ray.generate.stage import run; "
+        f"run(config_from_dict({cfg.to_dict()!r}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def _out_dir_while_running(cfg) -> str:
-    from eagle3_ray import stage
+    from eagle3_ray.core import stage
 
     return stage.output_dir(cfg, "generate")
 
@@ -339,7 +355,7 @@ def test_engine_that_cannot_start_fails_the_stage_with_a_clear_message(tmp_path,
 
 
 def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample_shard_and_layer(tmp_path):
-    from eagle3_ray.commit import CaptureCheckError, check_sample
+    from eagle3_ray.generate.commit import CaptureCheckError, check_sample
 
     hs = torch.randn(10, 3, 8)  # shape: [T, L, H]
     hs[2:8, 1] = 0  # 6 of 10 token rows of layer 3 are all zero
@@ -352,8 +368,9 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
     check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
     hs[0, 2, 5] = float("nan")
     with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
-        check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs),
-                     [1, 3, 6], "x")
+        check_sample(
+            make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x"
+        )
     totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
 
@@ -389,7 +406,7 @@ def test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture(dev
     assert set(step) == ({"hs", "scale"} if dtype == "fp8" else {"hs"}) | {"norms", "nonfinite"}
     bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
     nonfinite = []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         got = shards.planned_sample({name: t[a:b].cpu() for name, t in step.items()}, f"s{i}")
         want = {n: t.cpu() for n, t in shards.planned_capture(rows[a:b], {"key": f"s{i}", "dtype": dtype}).items()}
         assert got.keys() == want.keys()
@@ -407,7 +424,7 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
     functions (planned_capture, write_planned_capture), out of order, is a safetensors file that holds them, read back
     by safetensors and by the training reader, and each sample's note holds its tokens and the stats of its capture;
     a tensor off its place is refused, and a writer late for an aborted shard writes nothing anywhere."""
-    from eagle3_ray import data
+    from eagle3_ray.train import data
 
     samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
     samples["s2"][1] = 0.0  # a zero row shows in its note's stats
@@ -423,8 +440,9 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
     for k in ["s2", "s0", "s1"]:  # the connector's threads finish in any order
         target = {"file": shard.tmp, "key": k, "dtype": dtype, "ranges": shard.ranges(encoded[k])}
         note = str(tmp_path / f"{k}.note")
-        shards.write_planned_capture(shards.planned_capture(samples[k], target), torch.arange(len(samples[k])),
-                                     target, note)
+        shards.write_planned_capture(
+            shards.planned_capture(samples[k], target), torch.arange(len(samples[k])), target, note
+        )
         got = shards.read_safetensors(note)
         assert torch.equal(got["token_ids"], torch.arange(len(samples[k])))
         stats = shards.stats_from_norms(got["norms"], got["nonfinite"])
@@ -511,7 +529,7 @@ def test_generate_summary_records_per_layer_capture_stats(fp32_run):
 
 
 def test_auto_mode_picks_two_pass_unless_outputs_are_short_against_prompts(tmp_path):
-    from eagle3_ray.generate import Unit, resolve_mode
+    from eagle3_ray.generate.stage import Unit, resolve_mode
 
     sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
     # 43 prompt tokens (the builtin prompts' mean) + max_tokens: the H200 bench's workloads (256 and 2048 output
@@ -525,7 +543,7 @@ def test_auto_mode_picks_two_pass_unless_outputs_are_short_against_prompts(tmp_p
 def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
     import asyncio
 
-    from eagle3_ray.engine_loop import ByteBudget
+    from eagle3_ray.generate.engine_loop import ByteBudget
 
     async def scenario() -> list[str]:
         budget, order = ByteBudget(100), []
@@ -552,15 +570,19 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
     summary = run(two)
     one_out, two_out = _out_dir_while_running(cfg), out_dir(two)
     assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
-    conv = {d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()}
-            for d in (one_out, two_out)}
+    conv = {
+        d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()} for d in (one_out, two_out)
+    }
     man = {d: {r["id"]: r for r in pq.read_table(f"{d}/manifest.parquet").to_pylist()} for d in (one_out, two_out)}
     assert conv[one_out].keys() == conv[two_out].keys()
     assert sum(len(r["messages"]) == 4 for r in conv[two_out].values()) == 3
     for sample_id, one in conv[one_out].items():
         two_row, m1, m2 = conv[two_out][sample_id], man[one_out][sample_id], man[two_out][sample_id]
-        assert (two_row["input_ids"], two_row["loss_mask"], two_row["messages"]) == \
-            (one["input_ids"], one["loss_mask"], one["messages"])
+        assert (two_row["input_ids"], two_row["loss_mask"], two_row["messages"]) == (
+            one["input_ids"],
+            one["loss_mask"],
+            one["messages"],
+        )
         assert m1["num_tokens"] == m2["num_tokens"] == len(one["input_ids"]) - 1
         h1 = shards.read_sample(f"{one_out}/shards/{m1['shard']}", m1["key"])
         h2 = shards.read_sample(f"{two_out}/shards/{m2['shard']}", m2["key"])
@@ -570,8 +592,9 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
     assert_every_sample_exactly_once(two_out, table, rejected)
 
 
-def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(tmp_path, tiny_llama,
-                                                                                     ray_session):
+def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(
+    tmp_path, tiny_llama, ray_session
+):
     cfg = make_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
     table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
@@ -592,13 +615,18 @@ def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_th
     """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
     exactly those ids without templating anything, and the record's loss mask, filled in by a writer thread while the
     requests run, is the assistant spans' mask with counts that add up."""
-    from eagle3_ray import chat, commit, generate
+    from eagle3_ray.generate import chat, commit
+    from eagle3_ray.generate import stage as generate
 
     cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only")
     encoder = generate.chat_encoder(tiny_llama, cfg)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
-                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "Another?"},
-                {"role": "assistant", "content": "Green, like grass."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green, like grass."},
+    ]
     rows = generate.with_prefill_ids([{"id": "a", "source": "t", "messages": messages}], cfg, encoder)
     units, rejects = generate.plan_units(rows, [generate.sample_cost(r, cfg, encoder) for r in rows], cfg)
     ids = encoder.encode(messages, False)
@@ -631,8 +659,13 @@ class _Conv:
     """What commit.CaptureWriter and ShardPlan read of a chat.Conversation whose request has finished."""
 
     def __init__(self, sample_id: str, capture_path: str, num_tokens: int):
-        self.record = {"id": sample_id, "unit_id": "u", "status": "ok", "input_ids": list(range(num_tokens)),
-                       "_num_captured": num_tokens}
+        self.record = {
+            "id": sample_id,
+            "unit_id": "u",
+            "status": "ok",
+            "input_ids": list(range(num_tokens)),
+            "_num_captured": num_tokens,
+        }
         self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
         self.shard, self.timing, self.capture_target = None, {}, {}
         self.transfer_params = {"hidden_states_path": capture_path, "include_output_tokens": False}
@@ -654,7 +687,8 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     import asyncio
     import random
 
-    from eagle3_ray import commit, data
+    from eagle3_ray.generate import commit
+    from eagle3_ray.train import data
 
     lengths = [9, 3, 7, 1, 5, 8]
     row_bytes = 4 * 16 * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)  # one token's stored bytes
@@ -669,13 +703,17 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     assert len(list(shards_dir.glob("u-000?.safetensors.tmp-*"))) == 4 == len(stream.names)  # before any request
     used: dict[str, int] = {}  # the connector's (scheduler side)
     finish_order = random.Random(0).sample(convs, len(convs))
-    for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/connector.py)
+    for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/generate/connector.py)
         request = c.capture_target["stream"]
         assert request["key"] == c.record["id"] and request["dtype"] == dtype
         target = shards.stream_target(request, len(hidden[c.record["id"]]), used)
         os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
-        shards.write_planned_capture(shards.planned_capture(hidden[target["key"]], target),
-                                     torch.arange(len(hidden[target["key"]])), target, c.capture_path)
+        shards.write_planned_capture(
+            shards.planned_capture(hidden[target["key"]], target),
+            torch.arange(len(hidden[target["key"]])),
+            target,
+            c.capture_path,
+        )
         Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
     writer = commit.CaptureWriter(dtype, num_threads=3)
 
@@ -699,8 +737,9 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     for name in names:
         held = [r for r in part if r["shard"] == name]
         with safe_open(str(shards_dir / name), framework="pt") as f:
-            assert sorted(f.keys()) == sorted(n for r in held for n in shards.encode_sample(r["id"], hidden[r["id"]],
-                                                                                              dtype))
+            assert sorted(f.keys()) == sorted(
+                n for r in held for n in shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+            )
         payload = sum(r["num_tokens"] for r in held) * row_bytes
         assert payload <= cfg.generate.shard_max_bytes + max(lengths) * row_bytes
         for r in held:
@@ -716,7 +755,7 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     """ShardStream: a shard the connector gave no sample (a conversation rejected before its final turn) is removed
     at the commit; a shard whose places leave a gap (a sample placed there whose note never came) fails the unit,
     naming the shard and the sample after the gap, and nothing of it stays."""
-    from eagle3_ray import commit
+    from eagle3_ray.generate import commit
 
     cfg = make_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3])
@@ -725,8 +764,9 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     def finish(stream, conv, used):  # the connector's part (scheduler side, then worker side)
         target = shards.stream_target(conv.capture_target["stream"], 4, used)
         os.makedirs(os.path.dirname(conv.capture_path), exist_ok=True)
-        shards.write_planned_capture(shards.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target,
-                                     conv.capture_path)
+        shards.write_planned_capture(
+            shards.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target, conv.capture_path
+        )
         conv.record["num_tokens"] = 4
         conv.prepared = (shards.capture_stats(torch.randn(4, 2, 8)), None)
         stream.prepared(None, conv, shards.read_safetensors(conv.capture_path))
@@ -746,8 +786,10 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     shards.stream_target({**convs[0].capture_target["stream"], "key": "lost"}, 4, used)  # its note never comes
     for c in convs:
         finish(stream, c, used)
-    with pytest.raises(RuntimeError, match="shard u1-0000.safetensors: sample s0 is at payload byte 128, the "
-                                           "samples before it end at 0"):
+    with pytest.raises(
+        RuntimeError,
+        match="shard u1-0000.safetensors: sample s0 is at payload byte 128, the samples before it end at 0",
+    ):
         stream.shard_bytes()
     stream.abort()
     assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
@@ -761,7 +803,7 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
     check (seen in the connector's note) fails the unit's commit, and no temp or partial shard remains."""
     import asyncio
 
-    from eagle3_ray import commit
+    from eagle3_ray.generate import commit
 
     cfg = make_cfg(tmp_path, "unused", shard_max_bytes=2 * 6 * 4 * 16 * 2, writer_threads=3)  # 2 samples a shard
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
@@ -774,12 +816,13 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
     plan = commit.ShardPlan(sink, "u", convs, hidden_size=16)
     assert [[c.record["id"] for c in g] for g in plan.groups] == [["s0", "s3"], ["s1", "s4"], ["s2"]]  # round-robin
     assert len(list((tmp_path / "gen" / "shards").glob("u-000?.safetensors.tmp-*"))) == 3  # before any capture
-    for c in convs:  # what vLLM's connector does with each request's target (eagle3_ray/connector.py)
+    for c in convs:  # what vLLM's connector does with each request's target (eagle3_ray/generate/connector.py)
         target = c.transfer_params["shard"]
         assert target["key"] == c.record["id"] and target["dtype"] == "bfloat16"
         os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
-        shards.write_planned_capture(shards.planned_capture(hidden[target["key"]], target), torch.arange(6), target,
-                                     c.capture_path)
+        shards.write_planned_capture(
+            shards.planned_capture(hidden[target["key"]], target), torch.arange(6), target, c.capture_path
+        )
         Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
     writer = commit.CaptureWriter("bfloat16", num_threads=3)
 
@@ -796,8 +839,11 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
         assert not Path(sink.part_uri("u")).exists()
         return
     rows = asyncio.run(run_unit())
-    assert sorted(p.name for p in shards_dir.iterdir()) == ["u-0000.safetensors", "u-0001.safetensors",
-                                                           "u-0002.safetensors"]
+    assert sorted(p.name for p in shards_dir.iterdir()) == [
+        "u-0000.safetensors",
+        "u-0001.safetensors",
+        "u-0002.safetensors",
+    ]
     assert sum(r["num_bytes"] for r in rows) == sum(p.stat().st_size for p in shards_dir.iterdir())
     part = pq.read_table(sink.part_uri("u")).to_pylist()
     assert [r["shard"] for r in part] == [f"u-000{j}.safetensors" for j in (0, 1, 2, 0, 1)]

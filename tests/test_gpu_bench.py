@@ -51,7 +51,7 @@ def test_greedy_decoding_of_a_built_verifier_stays_inside_its_small_tokenizer(ti
     ids = torch.tensor([tokenizer.encode("def parse(line):\n    return")])
     out = tiny_model.generate(ids, max_new_tokens=24, do_sample=False, min_new_tokens=24)
     assert int(out.max()) < len(tokenizer)
-    assert bool((tiny_model.lm_head.weight[len(tokenizer):] == 0).all())
+    assert bool((tiny_model.lm_head.weight[len(tokenizer) :] == 0).all())
 
 
 def test_capture_reference_is_layer_inputs_and_the_last_layer_output_before_the_final_norm(tiny_model):
@@ -81,15 +81,20 @@ def test_capture_check_names_the_tokens_that_hold_another_positions_state(tiny_m
 def test_cpu_shares_name_processes_by_what_they_are_not_by_what_they_run_now():
     from cpu_shares import process_name
 
-    assert process_name(["ray::MapWorker(MapBatches(EngineActor)).submit"], "ray::MapWorker(") == \
-        "ray::MapWorker(MapBatches(EngineActor))"
+    assert (
+        process_name(["ray::MapWorker(MapBatches(EngineActor)).submit"], "ray::MapWorker(")
+        == "ray::MapWorker(MapBatches(EngineActor))"
+    )
     assert process_name(["ray::ActorLocationTracker.get_actor_locations"], "x") == "ray::ActorLocationTracker"
     assert process_name(["ray::_StatsActor      "], "x") == "ray::_StatsActor"
     assert process_name(["VLLM::EngineCore        "], "x") == "VLLM::EngineCore"
-    assert process_name(["/venv/bin/python3", "-u", "/site/ray/_private/log_monitor.py", "--x"], "x") == \
-        "log_monitor.py"
-    assert process_name(["/venv/bin/python", "-B", "-c", "from multiprocessing.spawn import spawn_main"], "x") == \
-        "python -c"
+    assert (
+        process_name(["/venv/bin/python3", "-u", "/site/ray/_private/log_monitor.py", "--x"], "x") == "log_monitor.py"
+    )
+    assert (
+        process_name(["/venv/bin/python", "-B", "-c", "from multiprocessing.spawn import spawn_main"], "x")
+        == "python -c"
+    )
     assert process_name(["/venv/bin/python", "-m", "pytest", "-q"], "x") == "python -m pytest"
     assert process_name(["/site/ray/core/src/ray/raylet/raylet", "--flag"], "raylet") == "raylet"
     assert process_name([], "kworker/0:1") == "kworker/0:1"
@@ -101,15 +106,24 @@ def test_cpu_shares_average_cores_per_name_over_the_window_and_count_late_starte
     snapshots = [
         (9.0, {1: ("driver", 0.5)}),  # before the window
         (10.0, {1: ("driver", 1.0), 2: ("VLLM::Worker", 5.0), 3: ("ray::A", 1.0), 4: ("ray::A", 2.0)}),
-        (12.0, {1: ("driver", 1.2), 2: ("VLLM::Worker", 8.0), 3: ("ray::A", 1.2), 4: ("ray::A", 2.2),
-                5: ("late", 0.4)}),
-        (14.0, {1: ("driver", 1.4), 2: ("VLLM::Worker", 11.0), 3: ("ray::A", 1.4), 4: ("ray::A", 2.4),
-                5: ("late", 1.0)}),
+        (
+            12.0,
+            {1: ("driver", 1.2), 2: ("VLLM::Worker", 8.0), 3: ("ray::A", 1.2), 4: ("ray::A", 2.2), 5: ("late", 0.4)},
+        ),
+        (
+            14.0,
+            {1: ("driver", 1.4), 2: ("VLLM::Worker", 11.0), 3: ("ray::A", 1.4), 4: ("ray::A", 2.4), 5: ("late", 1.0)},
+        ),
         (15.0, {1: ("driver", 9.0)}),  # after it
     ]
     got = cores(snapshots, 10.0, 14.5, top=3)
-    assert got == {"window_s": 4.0, "total": (0.4 + 6.0 + 0.8 + 1.0) / 4, "VLLM::Worker": 1.5, "late": 0.25,
-                   "ray::A": 0.2}
+    assert got == {
+        "window_s": 4.0,
+        "total": (0.4 + 6.0 + 0.8 + 1.0) / 4,
+        "VLLM::Worker": 1.5,
+        "late": 0.25,
+        "ray::A": 0.2,
+    }
     assert cores(snapshots, 10.0, 11.0) == {}
 
 

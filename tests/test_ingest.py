@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_ray import storage
-from eagle3_ray.config import load_config
-from eagle3_ray.prompts import tiny_prompts
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import load_config
+from eagle3_ray.core.prompts import tiny_prompts
 
 # Ray reads its auth settings when first imported: the stage module (which imports ray) is imported only after the
 # session fixtures have set them, through this fixture.
@@ -22,18 +22,23 @@ MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string
 
 @pytest.fixture()
 def ingest(ray_session):
-    from eagle3_ray import ingest
+    from eagle3_ray.ingest import stage as ingest
 
     assert ingest.MESSAGES_TYPE == MESSAGES_TYPE
     return ingest
 
+
 SYSTEM = {"role": "system", "content": "Be brief."}
-U1, A1, U2 = ({"role": "user", "content": "Write a function that adds two numbers."},
-              {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-              {"role": "user", "content": "Now add type hints."})
+U1, A1, U2 = (
+    {"role": "user", "content": "Write a function that adds two numbers."},
+    {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    {"role": "user", "content": "Now add type hints."},
+)
 CONVERSATION = [SYSTEM, U1, A1, U2]
-SHAREGPT = [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
-            for m in CONVERSATION]
+SHAREGPT = [
+    {"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]}
+    for m in CONVERSATION
+]
 
 
 def write_jsonl(path, rows) -> str:
@@ -45,8 +50,15 @@ def write_jsonl(path, rows) -> str:
 
 
 def make_cfg(tmp_path, tiny_llama, inputs, *overrides):
-    return load_config(None, [f"run.storage_path={tmp_path / 'runs'}", f"verifier.path={tiny_llama}",
-                              f"ingest.inputs={json.dumps([str(i) for i in inputs])}", *overrides])
+    return load_config(
+        None,
+        [
+            f"run.storage_path={tmp_path / 'runs'}",
+            f"verifier.path={tiny_llama}",
+            f"ingest.inputs={json.dumps([str(i) for i in inputs])}",
+            *overrides,
+        ],
+    )
 
 
 def read_output(summary, name="conversations.parquet") -> list[dict]:
@@ -68,8 +80,10 @@ def _jsonl_prompt(d):
 
 def _jsonl_instruction(d):
     rows = [{"instruction": "Sort this list.", "input": "[3, 1, 2]", "output": "[1, 2, 3]"}]
-    return write_jsonl(d / "alpaca.jsonl", rows), [{"role": "user", "content": "Sort this list.\n\n[3, 1, 2]"},
-                                                   {"role": "assistant", "content": "[1, 2, 3]"}]
+    return write_jsonl(d / "alpaca.jsonl", rows), [
+        {"role": "user", "content": "Sort this list.\n\n[3, 1, 2]"},
+        {"role": "assistant", "content": "[1, 2, 3]"},
+    ]
 
 
 def _parquet_messages(d):
@@ -83,7 +97,7 @@ def _datasets_folder(d):
 
 
 def _csv_prompt(d):
-    (d / "prompts.csv").write_text(f"prompt,source_name\n\"{U1['content']}\",demo\n")
+    (d / "prompts.csv").write_text(f'prompt,source_name\n"{U1["content"]}",demo\n')
     return str(d / "prompts.csv"), [U1]
 
 
@@ -91,8 +105,16 @@ def _file_uri(d):
     return "file://" + write_jsonl(d / "uri.jsonl", [{"messages": [U1]}]), [U1]
 
 
-FORMATS = [_jsonl_messages, _jsonl_sharegpt, _jsonl_prompt, _jsonl_instruction, _parquet_messages,
-           _datasets_folder, _csv_prompt, _file_uri]
+FORMATS = [
+    _jsonl_messages,
+    _jsonl_sharegpt,
+    _jsonl_prompt,
+    _jsonl_instruction,
+    _parquet_messages,
+    _datasets_folder,
+    _csv_prompt,
+    _file_uri,
+]
 
 
 @pytest.mark.parametrize("make_input", FORMATS, ids=[f.__name__.strip("_") for f in FORMATS])
@@ -101,8 +123,15 @@ def test_every_input_format_ingests_to_the_contract_schema(ingest, tiny_llama, t
     summary = ingest.run(make_cfg(tmp_path, tiny_llama, [uri], "ingest.turns=all"))
 
     table = storage.read_parquet(storage.join(summary["path"], "conversations.parquet"))
-    assert table.schema == pa.schema([("id", pa.string()), ("messages", MESSAGES_TYPE), ("source", pa.string()),
-                                      ("num_turns", pa.int32()), ("num_prompt_tokens", pa.int32())])
+    assert table.schema == pa.schema(
+        [
+            ("id", pa.string()),
+            ("messages", MESSAGES_TYPE),
+            ("source", pa.string()),
+            ("num_turns", pa.int32()),
+            ("num_prompt_tokens", pa.int32()),
+        ]
+    )
     [row] = table.to_pylist()
     assert row["messages"] == expected
     assert row["source"] == f"{uri}:0"
@@ -140,23 +169,27 @@ BROKEN_ROWS = [  # (line, expected reason or None when kept)
 ]
 
 
-def test_broken_rows_land_in_rejects_with_their_reason_and_counts_reconcile(ingest, tiny_llama, tmp_path,
-                                                                          capsys):
+def test_broken_rows_land_in_rejects_with_their_reason_and_counts_reconcile(ingest, tiny_llama, tmp_path, capsys):
     jsonl = write_jsonl(tmp_path / "broken.jsonl", [row for row, _ in BROKEN_ROWS])
     parquet = str(tmp_path / "binary.parquet")
     pq.write_table(pa.table({"prompt": pa.array([b"a valid prompt", b"\xff\xfe bad bytes"], pa.binary())}), parquet)
 
     summary = ingest.run(make_cfg(tmp_path, tiny_llama, [jsonl, parquet], "ingest.max_prompt_tokens=64"))
 
-    expected = {f"{jsonl}:{i}": reason for i, (_, reason) in enumerate(BROKEN_ROWS)
-                if reason not in (None, "duplicate")}
+    expected = {
+        f"{jsonl}:{i}": reason for i, (_, reason) in enumerate(BROKEN_ROWS) if reason not in (None, "duplicate")
+    }
     expected[f"{parquet}:1"] = "invalid_utf8"
     rejects = read_output(summary, "rejects.parquet")
     assert {r["source"]: r["reason"] for r in rejects} == expected
     assert all(r["detail"] and r["raw"] for r in rejects)
     assert [r["source"] for r in read_output(summary)] == [f"{jsonl}:0", f"{parquet}:0"]
     assert (summary["rows_in"], summary["rows_ok"], summary["rows_rejected"], summary["duplicates"]) == (
-        len(BROKEN_ROWS) + 2, 2, len(expected), 1)
+        len(BROKEN_ROWS) + 2,
+        2,
+        len(expected),
+        1,
+    )
     assert summary["rows_in"] == summary["rows_ok"] + summary["rows_rejected"] + summary["duplicates"]
     assert summary == storage.read_json(storage.join(summary["path"], "summary.json"))
     out = capsys.readouterr().out
@@ -165,15 +198,20 @@ def test_broken_rows_land_in_rejects_with_their_reason_and_counts_reconcile(inge
 
 def test_duplicates_keep_the_first_row_in_source_order_across_files_and_formats(ingest, tiny_llama, tmp_path):
     first = write_jsonl(tmp_path / "a.jsonl", [{"messages": [U2]}, {"messages": [U1]}, {"messages": [U1]}])
-    second = write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "human", "value": U1["content"]}]},
-                                                {"prompt": U2["content"]}, {"prompt": "something new"}])
+    second = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            {"conversations": [{"from": "human", "value": U1["content"]}]},
+            {"prompt": U2["content"]},
+            {"prompt": "something new"},
+        ],
+    )
     summary = ingest.run(make_cfg(tmp_path, tiny_llama, [first, second]))
     assert [r["source"] for r in read_output(summary)] == [f"{first}:0", f"{first}:1", f"{second}:2"]
     assert (summary["rows_in"], summary["rows_ok"], summary["duplicates"]) == (6, 3, 3)
 
 
-def test_turns_first_keeps_system_and_first_user_turn_and_all_keeps_the_conversation(ingest, tiny_llama,
-                                                                                     tmp_path):
+def test_turns_first_keeps_system_and_first_user_turn_and_all_keeps_the_conversation(ingest, tiny_llama, tmp_path):
     path = write_jsonl(tmp_path / "multi.jsonl", [{"messages": CONVERSATION}])
     [first] = read_output(ingest.run(make_cfg(tmp_path, tiny_llama, [path], "ingest.turns=first")))
     [whole] = read_output(ingest.run(make_cfg(tmp_path, tiny_llama, [path], "ingest.turns=all")))
@@ -184,20 +222,24 @@ def test_turns_first_keeps_system_and_first_user_turn_and_all_keeps_the_conversa
 
 
 def test_strict_mode_fails_naming_the_row_and_reason_and_writes_nothing(ingest, tiny_llama, tmp_path):
-    path = write_jsonl(tmp_path / "one_bad.jsonl", [{"messages": [U1]}, {"messages": [{"role": "robot",
-                                                                                        "content": "hi"}]}])
+    path = write_jsonl(
+        tmp_path / "one_bad.jsonl", [{"messages": [U1]}, {"messages": [{"role": "robot", "content": "hi"}]}]
+    )
     cfg = make_cfg(tmp_path, tiny_llama, [path], "ingest.strict=true")
     with pytest.raises(ValueError, match=rf"ingest.strict: row {path}:1 rejected: unknown_role"):
         ingest.run(cfg)
     assert not storage.exists(storage.join(cfg.run.run_dir, "ingest", "LATEST.json"))
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("missing.jsonl", None, "does not exist"),
-    ("no_known.jsonl", b'{"text": "a"}\n{"body": "b"}\n', "none of the known columns"),
-    ("no_known.parquet", "parquet", "none of the known columns"),
-    ("notes.txt", b"hello\n", "unsupported extension '.txt'"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("missing.jsonl", None, "does not exist"),
+        ("no_known.jsonl", b'{"text": "a"}\n{"body": "b"}\n', "none of the known columns"),
+        ("no_known.parquet", "parquet", "none of the known columns"),
+        ("notes.txt", b"hello\n", "unsupported extension '.txt'"),
+    ],
+)
 def test_bad_input_paths_fail_before_any_work(ingest, tiny_llama, tmp_path, name, content, message):
     path = tmp_path / name
     if content == "parquet":
@@ -246,8 +288,13 @@ def test_builtin_tiny_prompts_ingest_without_downloads_and_eval_split_is_disjoin
 
 def test_jsonl_starting_with_a_utf8_bom_keeps_its_first_row(ingest, tiny_llama, tmp_path):
     path = tmp_path / "bom.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": U1["content"]}).encode() + b"\n"
-                     + json.dumps({"prompt": U2["content"]}).encode() + b"\n")
+    path.write_bytes(
+        b"\xef\xbb\xbf"
+        + json.dumps({"prompt": U1["content"]}).encode()
+        + b"\n"
+        + json.dumps({"prompt": U2["content"]}).encode()
+        + b"\n"
+    )
     summary = ingest.run(make_cfg(tmp_path, tiny_llama, [path]))
     assert [r["source"] for r in read_output(summary)] == [f"{path}:0", f"{path}:1"]
     assert (summary["rows_ok"], summary["rows_rejected"]) == (2, 0)
@@ -264,8 +311,7 @@ def test_folder_holding_a_json_array_file_ingests_like_the_file_named_directly(i
 
 
 @pytest.mark.parametrize("name", ["empty.jsonl", "empty.parquet", "folder/empty.jsonl"])
-def test_a_zero_byte_file_fails_with_one_message_naming_it_and_no_chained_traceback(ingest, tiny_llama, tmp_path,
-                                                                                   name):
+def test_a_zero_byte_file_fails_with_one_message_naming_it_and_no_chained_traceback(ingest, tiny_llama, tmp_path, name):
     path = tmp_path / name
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(b"")
@@ -277,16 +323,18 @@ def test_a_zero_byte_file_fails_with_one_message_naming_it_and_no_chained_traceb
 
 
 def test_an_empty_messages_list_is_rejected_as_empty_messages_not_as_a_wrong_type():
-    from eagle3_ray.ingest_formats import Reject, normalise
+    from eagle3_ray.ingest.formats import Reject, normalise
 
     with pytest.raises(Reject) as err:
         normalise({"messages": []}, "all")
     assert (err.value.reason, err.value.detail) == (
-        "empty_messages", "messages is an empty list: a conversation needs at least a user turn")
+        "empty_messages",
+        "messages is an empty list: a conversation needs at least a user turn",
+    )
 
 
 def test_a_null_prompt_is_rejected_naming_the_null_column_not_as_no_known_column():
-    from eagle3_ray.ingest_formats import Reject, normalise
+    from eagle3_ray.ingest.formats import Reject, normalise
 
     with pytest.raises(Reject) as err:
         normalise({"prompt": None, "system": "Be brief."}, "first")

@@ -12,7 +12,7 @@ import pytest
 pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
 from helpers_ray_head import latest_path, pipeline_entrypoint, run_job  # noqa: E402
 
-from eagle3_ray import storage  # noqa: E402
+from eagle3_ray.core import storage  # noqa: E402
 
 pytest_plugins = ["helpers_ray_head", "helpers_s3"]
 pytestmark = pytest.mark.slow
@@ -25,24 +25,30 @@ def test_submitted_pipeline_on_an_s3_run_dir_writes_every_stage_to_the_object_st
     assert pipeline_job.info["driver_exit_code"] == 0
     run_dir = pipeline_job.run_dir
     latest = {name: storage.latest(run_dir, name) for name in ("ingest", "generate", "train", "export", "evaluate")}
-    assert all(record["path"].startswith("s3://") and storage.is_complete(record["path"])
-               for record in latest.values()), latest
+    assert all(
+        record["path"].startswith("s3://") and storage.is_complete(record["path"]) for record in latest.values()
+    ), latest
     generated = latest["generate"]["path"]
     assert storage.list_files(storage.join(generated, "shards"), ".safetensors")
     trained = latest["train"]
     assert trained["last"]["path"].startswith(trained["path"]) and storage.exists(
-        storage.join(trained["best"]["path"], "train_state.json"))
+        storage.join(trained["best"]["path"], "train_state.json")
+    )
     metrics = storage.read_bytes(storage.join(trained["path"], "metrics.jsonl")).decode()
     assert '"kind": "validation"' in metrics and storage.list_files(storage.join(trained["path"], "tensorboard"))
     drafter = latest["export"]["speculators_dir"]
     assert storage.exists(storage.join(drafter, "config.json")) and storage.exists(
-        storage.join(drafter, "model.safetensors"))
+        storage.join(drafter, "model.safetensors")
+    )
     assert storage.exists(storage.join(latest["evaluate"]["path"], "results.json"))
 
 
 def test_every_train_worker_line_appears_once_in_the_job_log(pipeline_job):
-    lines = [line for line in pipeline_job.logs.splitlines()
-             if "[eagle3 train] train step=" in line or "[eagle3 train] validation step=" in line]
+    lines = [
+        line
+        for line in pipeline_job.logs.splitlines()
+        if "[eagle3 train] train step=" in line or "[eagle3 train] validation step=" in line
+    ]
     assert lines, "no train metric lines in the job log"
     assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1][:3]
 
@@ -66,9 +72,16 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_h
     # half done), 48 builtin prompts with 96-token answers. The stop goes through the Jobs REST API (what
     # `ray job stop` calls) the moment the first part lands: CI once finished all 120 units in the seconds the
     # `ray job stop` CLI took to start.
-    entrypoint = pipeline_entrypoint(storage_path, "stopped", "ingest.max_rows=48", "generate.max_batch_tokens=160",
-                                     "generate.max_tokens=96", "generate.units_in_flight=2",
-                                     "--stages", "ingest,generate")
+    entrypoint = pipeline_entrypoint(
+        storage_path,
+        "stopped",
+        "ingest.max_rows=48",
+        "generate.max_batch_tokens=160",
+        "generate.max_tokens=96",
+        "generate.units_in_flight=2",
+        "--stages",
+        "ingest,generate",
+    )
     ray_head.submit("eagle3-stop-1", *entrypoint)
     deadline = time.monotonic() + 600
     while not list(run_dir.glob("generate/*/parts/*.parquet")):

@@ -3,7 +3,7 @@
 import pytest
 from transformers import AutoConfig, LlamaConfig
 
-from eagle3_ray.layers import resolve_layer_ids, text_config
+from eagle3_ray.core.layers import resolve_layer_ids, text_config
 
 
 def test_layer_count_is_found_in_nested_text_configs():
@@ -41,10 +41,18 @@ def test_explicit_layer_ids_are_validated_and_the_final_layer_kept_apart():
 
 def _kimi_k25_config(num_layers: int = 61):
     """Kimi-K2.5's config.json layout: the multimodal wrapper with a DeepSeek-V3 text config nested inside."""
-    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-            "text_config": {"model_type": "deepseek_v3", "num_hidden_layers": num_layers, "hidden_size": 7168,
-                            "num_attention_heads": 64, "vocab_size": 163840},
-            "vision_config": {"model_type": "kimi_k25_vision", "num_hidden_layers": 27, "hidden_size": 1152}}
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": num_layers,
+            "hidden_size": 7168,
+            "num_attention_heads": 64,
+            "vocab_size": 163840,
+        },
+        "vision_config": {"model_type": "kimi_k25_vision", "num_hidden_layers": 27, "hidden_size": 1152},
+    }
 
 
 def test_kimi_k25_wrapper_resolves_to_what_vllm_serves_as_its_text_model():
@@ -59,7 +67,7 @@ def test_kimi_k25_wrapper_resolves_to_what_vllm_serves_as_its_text_model():
 
 
 def test_capture_and_the_contract_check_read_the_same_text_config():
-    from eagle3_ray import contract
+    from eagle3_ray.core import contract
 
     wrapped = _kimi_k25_config(num_layers=6)
     verifier = contract.text_config(wrapped)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_ray import storage
+from eagle3_ray.core import storage
 
 pytest_plugins = ["helpers_ray_head", "helpers_s3"]
 pytestmark = pytest.mark.slow
@@ -16,16 +16,22 @@ def _names(job, stage: str) -> set[str]:
 
 
 def test_pipeline_driver_reports_each_stage_on_the_metrics_endpoint(pipeline_job):
-    done = {labels["stage"] for name, labels, value in pipeline_job.metrics
-            if name == "ray_eagle3_pipeline_stages_done_total" and value >= 1}
+    done = {
+        labels["stage"]
+        for name, labels, value in pipeline_job.metrics
+        if name == "ray_eagle3_pipeline_stages_done_total" and value >= 1
+    }
     # The last stage's counter may be set after the final scrape (the driver exits right after it).
     assert {"ingest", "generate", "train", "export"} <= done
 
 
 @pytest.mark.parametrize("stage", ["ingest", "generate", "train"])
 def test_stage_metrics_are_exported_with_the_ray_eagle3_prefix(pipeline_job, stage):
-    names = _names(pipeline_job, stage) - {"ray_eagle3_pipeline_stage_running", "ray_eagle3_pipeline_stage_seconds",
-                                            "ray_eagle3_pipeline_stages_done_total"}
+    names = _names(pipeline_job, stage) - {
+        "ray_eagle3_pipeline_stage_running",
+        "ray_eagle3_pipeline_stage_seconds",
+        "ray_eagle3_pipeline_stages_done_total",
+    }
     assert names, f"no ray_eagle3_* metric from the {stage} stage itself was scraped"
 
 

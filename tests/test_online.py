@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_ray import storage
-from eagle3_ray.config import config_from_dict
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ingest_fixtures import conversations, write_ingest  # noqa: E402
@@ -19,20 +19,33 @@ from ingest_fixtures import conversations, write_ingest  # noqa: E402
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 16}
 
 
-def make_cfg(tmp_path, verifier: str, name: str, **train) -> "Config":  # noqa: F821
-    return config_from_dict({
-        "run": {"storage_path": str(tmp_path), "name": name},
-        "verifier": {"path": verifier, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
-        "generate": {"max_tokens": 32, "max_batch_tokens": 640, "engine_kwargs": ENGINE},
-        "train": {"source": "online", "num_workers": 2, "epochs": 2, "total_seq_len": 256, "draft_vocab_size": 512,
-                  "lr": 2e-3, "warmup_steps": 2, "log_every_steps": 2, "val_fraction": 0.2, "max_failures": 2,
-                  **train}})
+def make_cfg(tmp_path, verifier: str, name: str, **train) -> Config:  # noqa: F821
+    return config_from_dict(
+        {
+            "run": {"storage_path": str(tmp_path), "name": name},
+            "verifier": {"path": verifier, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
+            "generate": {"max_tokens": 32, "max_batch_tokens": 640, "engine_kwargs": ENGINE},
+            "train": {
+                "source": "online",
+                "num_workers": 2,
+                "epochs": 2,
+                "total_seq_len": 256,
+                "draft_vocab_size": 512,
+                "lr": 2e-3,
+                "warmup_steps": 2,
+                "log_every_steps": 2,
+                "val_fraction": 0.2,
+                "max_failures": 2,
+                **train,
+            },
+        }
+    )
 
 
 def run_online(cfg, verifier: str) -> dict:
     from transformers import AutoTokenizer
 
-    from eagle3_ray.train import run
+    from eagle3_ray.train.stage import run
 
     write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
     return run(cfg)
@@ -45,12 +58,16 @@ def metric_records(summary: dict) -> list[dict]:
 
 def safetensors_outside_checkpoints(run_dir: str) -> list[Path]:
     """Hidden-state files: every *.safetensors that is not a checkpoint's weights."""
-    return [p for p in Path(run_dir).rglob("*.safetensors")
-            if not any(part.startswith(("epoch_", "best", "checkpoint")) for part in p.parts)]
+    return [
+        p
+        for p in Path(run_dir).rglob("*.safetensors")
+        if not any(part.startswith(("epoch_", "best", "checkpoint")) for part in p.parts)
+    ]
 
 
 def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_after_a_worker_kill(
-        tmp_path, tiny_llama, ray_session):
+    tmp_path, tiny_llama, ray_session
+):
     cfg = make_cfg(tmp_path, tiny_llama, "online", kill_worker_at=[1, 1])
     summary = run_online(cfg, tiny_llama)
 

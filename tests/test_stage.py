@@ -13,8 +13,8 @@ import pytest
 import torch
 from fixtures_generate import point_generate_at, shared_generate_output
 
-from eagle3_ray import stage, storage
-from eagle3_ray.config import config_from_dict
+from eagle3_ray.core import stage, storage
+from eagle3_ray.core.config import config_from_dict
 
 
 def _cfg(tmp_path, storage_path: str | None = None, **sections):
@@ -70,9 +70,12 @@ def test_reading_an_upstream_that_this_config_never_ran_names_the_version_and_la
     a = _cfg(tmp_path, generate={"max_tokens": 16})
     b = _cfg(tmp_path, generate={"max_tokens": 24})
     stage.run(b, "generate", stage.version(b, "generate"), lambda out: {})
-    with pytest.raises(FileNotFoundError, match=rf"no finished 'generate' output for this config: .*"
-                                                rf"{stage.version(a, 'generate')}.*LATEST.json names version "
-                                                rf"{stage.version(b, 'generate')}"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"no finished 'generate' output for this config: .*"
+        rf"{stage.version(a, 'generate')}.*LATEST.json names version "
+        rf"{stage.version(b, 'generate')}",
+    ):
         stage.input_dir(a, "generate")
 
 
@@ -81,14 +84,25 @@ ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
 
 @pytest.mark.slow
 def test_generate_a_then_b_then_a_again_trains_on_a_captures(tmp_path, tiny_llama, ray_session):
-    from eagle3_ray import generate, ingest, train
+    from eagle3_ray.generate import stage as generate
+    from eagle3_ray.ingest import stage as ingest
+    from eagle3_ray.train import stage as train
 
     def cfg(max_tokens: int):
-        return _cfg(tmp_path, verifier={"path": tiny_llama, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
-                    ingest={"max_rows": 6, "num_workers": 1},
-                    generate={"max_tokens": max_tokens, "engine_kwargs": ENGINE},
-                    train={"num_workers": 1, "epochs": 1, "total_seq_len": 256, "draft_vocab_size": 256,
-                           "val_fraction": 0.3, "log_every_steps": 1})
+        return _cfg(
+            tmp_path,
+            verifier={"path": tiny_llama, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
+            ingest={"max_rows": 6, "num_workers": 1},
+            generate={"max_tokens": max_tokens, "engine_kwargs": ENGINE},
+            train={
+                "num_workers": 1,
+                "epochs": 1,
+                "total_seq_len": 256,
+                "draft_vocab_size": 256,
+                "val_fraction": 0.3,
+                "log_every_steps": 1,
+            },
+        )
 
     a, b = cfg(8), cfg(20)
     ingest.run(a)
@@ -104,16 +118,27 @@ def test_generate_a_then_b_then_a_again_trains_on_a_captures(tmp_path, tiny_llam
 
 @pytest.mark.slow
 def test_train_a_then_b_then_a_again_exports_a_drafter(tmp_path_factory, tiny_llama, ray_session):
-    from eagle3_ray import export, train
+    from eagle3_ray.train import export
+    from eagle3_ray.train import stage as train
 
     gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
     root = tmp_path_factory.mktemp("aba")
 
     def cfg(epochs: int, optimizer: str = "adamw"):
-        c = _cfg(root, verifier={"path": tiny_llama, "max_model_len": 512},
-                 train={"num_workers": 1, "epochs": epochs, "total_seq_len": 256, "draft_vocab_size": 512,
-                        "log_every_steps": 5, "num_loader_workers": 0, "optimizer": optimizer},
-                 export={"checkpoint": "last"})
+        c = _cfg(
+            root,
+            verifier={"path": tiny_llama, "max_model_len": 512},
+            train={
+                "num_workers": 1,
+                "epochs": epochs,
+                "total_seq_len": 256,
+                "draft_vocab_size": 512,
+                "log_every_steps": 5,
+                "num_loader_workers": 0,
+                "optimizer": optimizer,
+            },
+            export={"checkpoint": "last"},
+        )
         point_generate_at(c, gen_dir)
         return c
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from eagle3_ray.tiny_verifier import CHAT_TEMPLATE, IM_END_ID, build_tiny_verifier
+from eagle3_ray.core.tiny_verifier import CHAT_TEMPLATE, IM_END_ID, build_tiny_verifier
 
 CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
@@ -70,10 +70,14 @@ def test_builders_racing_on_one_node_both_get_the_complete_verifier(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from eagle3_ray.tiny_verifier import build_tiny_verifier; "
-            "print(build_tiny_verifier('llama', sys.argv[1], num_layers=2))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "v")], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    code = (
+        "import sys; from eagle3_ray.core.tiny_verifier import build_tiny_verifier; "
+        "print(build_tiny_verifier('llama', sys.argv[1], num_layers=2))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "v")], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and outs == [str(tmp_path / "v")] * 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v"], "a temporary build was left behind"
@@ -85,7 +89,7 @@ def test_a_node_without_the_tiny_verifier_builds_the_same_one_where_the_driver_h
     import hashlib
     import shutil
 
-    from eagle3_ray.tiny_verifier import verifier_dir_on_this_node
+    from eagle3_ray.core.tiny_verifier import verifier_dir_on_this_node
 
     driver_side = build_tiny_verifier("llama", tmp_path / "verifier-tiny-llama-bfloat16")
     digest = hashlib.sha256((driver_side / "model.safetensors").read_bytes()).hexdigest()
@@ -102,8 +106,15 @@ def vllm_engine(tiny_llama):
     """One CPU vLLM engine for the module (starting one takes ~20-25 s), shut down afterwards."""
     from vllm import LLM
 
-    llm = LLM(model=tiny_llama, dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=256 << 20,
-              max_model_len=512, max_num_seqs=8, seed=0)
+    llm = LLM(
+        model=tiny_llama,
+        dtype="bfloat16",
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        max_model_len=512,
+        max_num_seqs=8,
+        seed=0,
+    )
     yield llm
     llm.llm_engine.engine_core.shutdown()
     del llm

@@ -11,8 +11,10 @@ import pytest
 from fixtures_generate import point_generate_at, shared_generate_output
 from safetensors import safe_open
 
-from eagle3_ray import checkpoints, storage, train
-from eagle3_ray.config import config_from_dict
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.train import checkpoints
+from eagle3_ray.train import stage as train
 
 EPOCHS = 2
 
@@ -24,9 +26,20 @@ def gen_dir(tmp_path_factory, tiny_llama) -> str:
 
 def _cfg(storage_path, name: str, **train_fields):
     # best by the *largest* val loss, so that the best checkpoint (epoch 0) is not the last one (epoch 1)
-    section = {"num_workers": 2, "epochs": EPOCHS, "total_seq_len": 256, "lr": 0.001, "warmup_steps": 2,
-               "log_every_steps": 2, "draft_vocab_size": 512, "num_to_keep": 1, "best_metric": "val_loss",
-               "best_mode": "max", "num_loader_workers": 1, **train_fields}
+    section = {
+        "num_workers": 2,
+        "epochs": EPOCHS,
+        "total_seq_len": 256,
+        "lr": 0.001,
+        "warmup_steps": 2,
+        "log_every_steps": 2,
+        "draft_vocab_size": 512,
+        "num_to_keep": 1,
+        "best_metric": "val_loss",
+        "best_mode": "max",
+        "num_loader_workers": 1,
+        **train_fields,
+    }
     return config_from_dict({"run": {"storage_path": str(storage_path), "name": name}, "train": section})
 
 
@@ -56,10 +69,26 @@ def test_loss_falls_and_first_position_accuracy_rises(reference):
 
 def test_metrics_lines_files_and_tensorboard_hold_the_named_fields(reference):
     _cfg_, _summary, out_dir = reference
-    step_fields = {"epoch", "train_loss", "train_acc_0", "train_acc_1", "train_acc_2", "lr", "tokens_per_s",
-                   "data_wait_frac"}
-    epoch_fields = {"epoch", "val_loss", "val_acc_0", "val_acc_2", "val_cond_acc_1", "val_acceptance_length",
-                    "train_loss", "train_bad_samples"}
+    step_fields = {
+        "epoch",
+        "train_loss",
+        "train_acc_0",
+        "train_acc_1",
+        "train_acc_2",
+        "lr",
+        "tokens_per_s",
+        "data_wait_frac",
+    }
+    epoch_fields = {
+        "epoch",
+        "val_loss",
+        "val_acc_0",
+        "val_acc_2",
+        "val_cond_acc_1",
+        "val_acceptance_length",
+        "train_loss",
+        "train_bad_samples",
+    }
     assert all(step_fields <= set(r) for r in _records(out_dir, "train"))
     val_lines = _records(out_dir, "validation")
     assert [r["epoch"] for r in val_lines] == list(range(EPOCHS))
@@ -96,10 +125,10 @@ def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(re
     assert os.path.exists(os.path.join(out_dir, "_fault_injected"))  # a worker really was SIGKILLed
     assert [r["epoch"] for r in _records(out_dir, "validation")] == [0, 1]  # epoch 0 never trained again
     assert [r["next_epoch"] for r in _records(out_dir, "resumed")] == [1]
-    assert summary["last"]["metrics"]["val_loss"] == pytest.approx(ref_summary["last"]["metrics"]["val_loss"],
-                                                                   rel=1e-3)
-    assert summary["last"]["metrics"]["val_acc_0"] == pytest.approx(ref_summary["last"]["metrics"]["val_acc_0"],
-                                                                    abs=0.02)
+    assert summary["last"]["metrics"]["val_loss"] == pytest.approx(ref_summary["last"]["metrics"]["val_loss"], rel=1e-3)
+    assert summary["last"]["metrics"]["val_acc_0"] == pytest.approx(
+        ref_summary["last"]["metrics"]["val_acc_0"], abs=0.02
+    )
 
 
 def test_resubmitted_job_resumes_at_the_next_epoch(reference, gen_dir, tmp_path, capfd):
@@ -112,5 +141,4 @@ def test_resubmitted_job_resumes_at_the_next_epoch(reference, gen_dir, tmp_path,
     out_dir = storage.stage_dir(failing.run.run_dir, "train", summary["version"])
     assert [r["next_epoch"] for r in _records(out_dir, "resumed")] == [1]
     assert [r["epoch"] for r in _records(out_dir, "validation")] == [0, 1]
-    assert summary["last"]["metrics"]["val_loss"] == pytest.approx(ref_summary["last"]["metrics"]["val_loss"],
-                                                                   rel=1e-3)
+    assert summary["last"]["metrics"]["val_loss"] == pytest.approx(ref_summary["last"]["metrics"]["val_loss"], rel=1e-3)

@@ -1,6 +1,7 @@
 """Capture throughput: plain vLLM prefill vs the same prefill with hidden-state capture through the project's connector
-(the exact engine arguments of the generate stage, `eagle3_ray.engine.engine_kwargs`), on the same token prompts, next
-to the prefill roofline (2 x parameters FLOPs per token over a bf16 matrix rate measured in the same call).
+(the exact engine arguments of the generate stage, `eagle3_ray.generate.engine.engine_kwargs`), on the same token
+prompts, next to the prefill roofline (2 x parameters FLOPs per token over a bf16 matrix rate measured in the same
+call).
 
     python3 bench/gpu/capture_bench.py /tmp/verifiers/llama3-8b --num-prompts 128 --prompt-len 2048
     python3 bench/gpu/capture_bench.py /tmp/verifiers/llama3-8b --tp 2          # rates also per GPU
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.config import config_from_dict  # noqa: E402
-from eagle3_ray.tiny_verifier import SPECIAL_TOKENS  # noqa: E402
+from eagle3_ray.core.config import config_from_dict  # noqa: E402
+from eagle3_ray.core.tiny_verifier import SPECIAL_TOKENS  # noqa: E402
 
 GPU_ENGINE_KWARGS = {"gpu_memory_utilization": 0.85}
 CPU_ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
@@ -47,8 +48,12 @@ def matmul_rate(n: int) -> dict:
         a @ b
     sync()
     seconds = (time.perf_counter() - start) / 10
-    return {"mode": "matmul", "n": n, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-            "flop_per_s": 2 * n**3 / seconds}
+    return {
+        "mode": "matmul",
+        "n": n,
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "flop_per_s": 2 * n**3 / seconds,
+    }
 
 
 def parameter_counts(model: str) -> dict:
@@ -56,9 +61,10 @@ def parameter_counts(model: str) -> dict:
     from make_verifier import weight_shapes
 
     shapes = weight_shapes(Path(model))
-    return {"params": sum(s.numel() for s in shapes.values()),
-            "embedding_params": sum(s.numel() for n, s in shapes.items()
-                                    if "embed_tokens" in n or n == "lm_head.weight")}
+    return {
+        "params": sum(s.numel() for s in shapes.values()),
+        "embedding_params": sum(s.numel() for n, s in shapes.items() if "embed_tokens" in n or n == "lm_head.weight"),
+    }
 
 
 def token_prompts(args, vocab_size: int) -> list[dict]:
@@ -73,13 +79,20 @@ def engine(args, mode: str, scratch: str):
     """The generate stage's engine arguments; `plain` drops the two capture entries and keeps everything else."""
     from vllm import LLM
 
-    from eagle3_ray.engine import engine_kwargs
-    from eagle3_ray.generate_output import capture_contract
+    from eagle3_ray.generate.engine import engine_kwargs
+    from eagle3_ray.generate.output import capture_contract
 
-    cfg = config_from_dict({
-        "verifier": {"path": args.model, "dtype": "bfloat16", "max_model_len": args.prompt_len + 16,
-                     "aux_layer_ids": args.aux_layer_ids},
-        "generate": {"tensor_parallel_size": args.tp, "engine_kwargs": args.engine_kwargs}})
+    cfg = config_from_dict(
+        {
+            "verifier": {
+                "path": args.model,
+                "dtype": "bfloat16",
+                "max_model_len": args.prompt_len + 16,
+                "aux_layer_ids": args.aux_layer_ids,
+            },
+            "generate": {"tensor_parallel_size": args.tp, "engine_kwargs": args.engine_kwargs},
+        }
+    )
     contract = capture_contract(cfg, args.model)
     kwargs = engine_kwargs(cfg, args.model, contract["layer_ids"], scratch)
     if mode == "plain":
@@ -95,15 +108,27 @@ def prefill(args, mode: str) -> dict:
     llm, contract = engine(args, mode, scratch)
     prompts = token_prompts(args, contract["vocab_size"])
     paths = [os.path.join(scratch, f"req-{i:06d}.safetensors") for i in range(len(prompts))]
-    params = [SamplingParams(max_tokens=1, temperature=0.0, extra_args=(
-        {"kv_transfer_params": {"hidden_states_path": p}} if mode == "capture" else None)) for p in paths]
+    params = [
+        SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            extra_args=({"kv_transfer_params": {"hidden_states_path": p}} if mode == "capture" else None),
+        )
+        for p in paths
+    ]
     w = args.num_warmup
     llm.generate(prompts[:w], params[:w], use_tqdm=False)
     start = time.perf_counter()
     llm.generate(prompts[w:], params[w:], use_tqdm=False)
     generate_s = time.perf_counter() - start
-    result = {"mode": mode, "tokens": args.num_prompts * args.prompt_len, "generate_s": generate_s,
-              "wall_s": generate_s, "layer_ids": contract["layer_ids"], "hidden_size": contract["hidden_size"]}
+    result = {
+        "mode": mode,
+        "tokens": args.num_prompts * args.prompt_len,
+        "generate_s": generate_s,
+        "wall_s": generate_s,
+        "layer_ids": contract["layer_ids"],
+        "hidden_size": contract["hidden_size"],
+    }
     if mode == "capture":
         result.update(files_complete(paths[w:], contract, args.prompt_len))
         result["wall_s"] = time.perf_counter() - start
@@ -144,18 +169,22 @@ def run_child(args, mode: str) -> dict:
 def table(args, results: dict, counts: dict) -> str:
     flop_per_token = 2 * counts["params"]
     roofline = results["matmul"]["flop_per_s"] * args.tp / flop_per_token
-    lines = [f"capture_bench  {args.model}  {args.num_prompts} prompts x {args.prompt_len} tokens  TP={args.tp}  "
-             f"params {counts['params'] / 1e9:.3g}B  bf16 matmul {results['matmul']['flop_per_s'] / 1e12:.3g} "
-             f"TFLOP/s per device ({results['matmul']['device']})",
-             f"{'mode':<10}{'tokens/s':>12}{'per GPU':>12}{'vs plain':>10}{'vs roofline':>13}{'wall_s':>9}"
-             f"{'GB written':>12}",
-             f"{'roofline':<10}{roofline:>12.0f}{roofline / args.tp:>12.0f}{'':>10}{1:>13.2f}"]
+    lines = [
+        f"capture_bench  {args.model}  {args.num_prompts} prompts x {args.prompt_len} tokens  TP={args.tp}  "
+        f"params {counts['params'] / 1e9:.3g}B  bf16 matmul {results['matmul']['flop_per_s'] / 1e12:.3g} "
+        f"TFLOP/s per device ({results['matmul']['device']})",
+        f"{'mode':<10}{'tokens/s':>12}{'per GPU':>12}{'vs plain':>10}{'vs roofline':>13}{'wall_s':>9}"
+        f"{'GB written':>12}",
+        f"{'roofline':<10}{roofline:>12.0f}{roofline / args.tp:>12.0f}{'':>10}{1:>13.2f}",
+    ]
     plain = results["plain"]["tokens"] / results["plain"]["wall_s"]
     for mode in ("plain", "capture"):
         r = results[mode]
         rate = r["tokens"] / r["wall_s"]
-        lines.append(f"{mode:<10}{rate:>12.0f}{rate / args.tp:>12.0f}{rate / plain:>10.3f}{rate / roofline:>13.3f}"
-                     f"{r['wall_s']:>9.2f}{r.get('bytes', 0) / 1e9:>12.3f}")
+        lines.append(
+            f"{mode:<10}{rate:>12.0f}{rate / args.tp:>12.0f}{rate / plain:>10.3f}{rate / roofline:>13.3f}"
+            f"{r['wall_s']:>9.2f}{r.get('bytes', 0) / 1e9:>12.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -195,8 +224,17 @@ def main() -> None:
     report = table(args, results, counts)
     print(report)
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "params": counts, "table": report,
-                                              "args": {k: v for k, v in vars(args).items() if k != "child"}}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "params": counts,
+                    "table": report,
+                    "args": {k: v for k, v in vars(args).items() if k != "child"},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ import pyarrow.compute as pc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray import shards, storage  # noqa: E402
+from eagle3_ray.core import (
+    shards,
+    storage,  # noqa: E402
+)
 
 
 def reference_states(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -67,9 +70,15 @@ def bad_tokens(stored: torch.Tensor, ref: torch.Tensor, threshold: float = 0.25)
     best = distance.argmin(dim=-1)
     match = distance.gather(1, best[:, None]).flatten() / r[best].norm(dim=-1).clamp_min(1e-6)
     offsets = (best - bad).tolist()
-    return {"count": int(bad.numel()), "of": int(s.shape[0]), "first": int(bad[0]), "last": int(bad[-1]),
-            "positions": bad.tolist()[:64], "best_match_offsets": offsets[:64],
-            "best_match_rel_error": [round(x, 4) for x in match.tolist()[:64]]}
+    return {
+        "count": int(bad.numel()),
+        "of": int(s.shape[0]),
+        "first": int(bad[0]),
+        "last": int(bad[-1]),
+        "positions": bad.tolist()[:64],
+        "best_match_offsets": offsets[:64],
+        "best_match_rel_error": [round(x, 4) for x in match.tolist()[:64]],
+    }
 
 
 def load_model(path: str, dtype: str):
@@ -85,8 +94,11 @@ def main() -> int:
     p.add_argument("run_dir", help="{run.storage_path}/{run.name}")
     p.add_argument("--num-samples", type=int, default=4)
     p.add_argument("--max-rel-error", type=float, default=2e-2)
-    p.add_argument("--fp32-reference", action="store_true",
-                   help="also run the same weights in float32 and judge against that (see the module docstring)")
+    p.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="also run the same weights in float32 and judge against that (see the module docstring)",
+    )
     p.add_argument("--bf16-slack", type=float, default=1.5)
     p.add_argument("--out", help="write the per-sample errors as JSON here")
     a = p.parse_args()
@@ -103,11 +115,23 @@ def main() -> int:
         ref = reference_states(model, torch.tensor(ids, device=device), layer_ids)
         assert stored.shape == ref.shape, f"{m['id']}: stored {tuple(stored.shape)} vs reference {tuple(ref.shape)}"
         errors = rel_error(stored.float(), ref)
-        rows.append({"id": m["id"], "num_tokens": m["num_tokens"], "ids": ids, "stored": stored.cpu(), "ref": ref.cpu(),
-                     "rel_error": dict(zip(map(str, layer_ids), errors)), "bad_tokens": bad_tokens(stored, ref)})
-        print(f"check_capture {m['id']} T={m['num_tokens']} " + " ".join(
-            f"layer{k}={e:.2e}" for k, e in zip(layer_ids, errors)) + f" bad_tokens={rows[-1]['bad_tokens']}",
-            flush=True)
+        rows.append(
+            {
+                "id": m["id"],
+                "num_tokens": m["num_tokens"],
+                "ids": ids,
+                "stored": stored.cpu(),
+                "ref": ref.cpu(),
+                "rel_error": dict(zip(map(str, layer_ids), errors, strict=True)),
+                "bad_tokens": bad_tokens(stored, ref),
+            }
+        )
+        print(
+            f"check_capture {m['id']} T={m['num_tokens']} "
+            + " ".join(f"layer{k}={e:.2e}" for k, e in zip(layer_ids, errors, strict=True))
+            + f" bad_tokens={rows[-1]['bad_tokens']}",
+            flush=True,
+        )
     if a.fp32_reference:
         model = model.float()
     for row in rows:
@@ -118,21 +142,31 @@ def main() -> int:
             capture = rel_error(stored.float(), exact)
             baseline = rel_error(ref, exact)  # transformers' own forward pass in the model dtype
             bounds = [max(a.max_rel_error, a.bf16_slack * b) for b in baseline]
-            row.update(vs_fp32=dict(zip(map(str, layer_ids), capture)),
-                       transformers_vs_fp32=dict(zip(map(str, layer_ids), baseline)),
-                       bound=dict(zip(map(str, layer_ids), bounds)))
-            passed = all(c <= b for c, b in zip(capture, bounds))
-            print(f"check_capture {row['id']} vs fp32: " + " ".join(
-                f"layer{k}={c:.2e}(transformers {b:.2e})" for k, c, b in zip(layer_ids, capture, baseline)) +
-                f" {'ok' if passed else 'FAIL'}", flush=True)
+            row.update(
+                vs_fp32=dict(zip(map(str, layer_ids), capture, strict=True)),
+                transformers_vs_fp32=dict(zip(map(str, layer_ids), baseline, strict=True)),
+                bound=dict(zip(map(str, layer_ids), bounds, strict=True)),
+            )
+            passed = all(c <= b for c, b in zip(capture, bounds, strict=True))
+            print(
+                f"check_capture {row['id']} vs fp32: "
+                + " ".join(
+                    f"layer{k}={c:.2e}(transformers {b:.2e})"
+                    for k, c, b in zip(layer_ids, capture, baseline, strict=True)
+                )
+                + f" {'ok' if passed else 'FAIL'}",
+                flush=True,
+            )
         else:
             passed = max(row["rel_error"].values()) <= a.max_rel_error
         row["ok"] = passed
         worst = max(worst, *(row["vs_fp32"] if a.fp32_reference else row["rel_error"]).values())
     ok = all(row["ok"] for row in rows)
-    print(f"check_capture: {len(rows)} samples, layers {layer_ids}, worst relative error {worst:.2e} "
-          f"({'ok' if ok else 'FAIL'}, {'vs fp32, bound max(limit, slack x transformers) ' if a.fp32_reference else ''}"
-          f"limit {a.max_rel_error:g}, dtype {contract['model_dtype']}, device {device})")
+    print(
+        f"check_capture: {len(rows)} samples, layers {layer_ids}, worst relative error {worst:.2e} "
+        f"({'ok' if ok else 'FAIL'}, {'vs fp32, bound max(limit, slack x transformers) ' if a.fp32_reference else ''}"
+        f"limit {a.max_rel_error:g}, dtype {contract['model_dtype']}, device {device})"
+    )
     if a.out:
         Path(a.out).write_text(json.dumps({"worst": worst, "ok": ok, "samples": rows, "contract": contract}, indent=2))
     return 0 if ok else 1

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.tags import cpython_tags, compatible_tags
+from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
@@ -27,25 +27,48 @@ ROOTS = [("vllm", frozenset()), ("speculators", frozenset()), ("ray", frozenset(
 # generation ran without them on the H200; the rest serve only vLLM's HTTP server or Ray features that
 # cannot work on an offline machine.
 NOT_NEEDED = {
-    **dict.fromkeys(["flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
-                     "humming-kernels", "fastsafetensors", "nvidia-cudnn-frontend"], "vLLM ran without it on the H200"),
-    **dict.fromkeys(["fastapi-cli", "fastar", "email-validator", "httptools", "websockets", "pycountry"],
-                    "extras of vLLM's HTTP server; the offline LLM ran without them"),
+    **dict.fromkeys(
+        [
+            "flashinfer-cubin",
+            "tilelang",
+            "nvidia-cutlass-dsl",
+            "quack-kernels",
+            "tokenspeed-mla",
+            "humming-kernels",
+            "fastsafetensors",
+            "nvidia-cudnn-frontend",
+        ],
+        "vLLM ran without it on the H200",
+    ),
+    **dict.fromkeys(
+        ["fastapi-cli", "fastar", "email-validator", "httptools", "websockets", "pycountry"],
+        "extras of vLLM's HTTP server; the offline LLM ran without them",
+    ),
     "cryptography": "pyjwt[crypto] for mcp's auth; vLLM ran without it",
     "virtualenv": "Ray's runtime_env pip/uv only; impossible offline",
     "google-api-core": "opencensus's Stackdriver exporter only; Ray imports opencensus.stats/metrics/tags",
 }
 # Version conflicts with the image that were seen working there.
 ACCEPTED = {("mistral-common", "numpy"): "vLLM 0.24.0 ran with the image's numpy 2.5.2 on the H200"}
-PY312_LINUX = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
-               "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-               "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+PY312_LINUX = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
 IMAGE_LIST = Path(__file__).with_name("image_packages.txt")
 
 
 def target_tags() -> set:
-    platforms = [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + ["manylinux2014_x86_64", "manylinux1_x86_64",
-                                                                         "linux_x86_64"]
+    platforms = [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] + [
+        "manylinux2014_x86_64",
+        "manylinux1_x86_64",
+        "linux_x86_64",
+    ]
     tags = set(cpython_tags((3, 12), platforms=platforms))
     return tags | set(compatible_tags((3, 12), "cp312", platforms=platforms))
 
@@ -60,8 +83,9 @@ def read_wheel(path: Path) -> tuple[str, Version, list[Requirement]]:
         text = zf.read(meta).decode()
     name = re.search(r"^Name: (.+)$", text, re.M).group(1).strip()
     version = Version(re.search(r"^Version: (.+)$", text, re.M).group(1).strip())
-    reqs = [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines()
-            if line.startswith("Requires-Dist:")]
+    reqs = [
+        Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines() if line.startswith("Requires-Dist:")
+    ]
     return canonicalize_name(name), version, reqs
 
 

@@ -69,8 +69,9 @@ class CpuSampler:
         return cores(self.snapshots, start, end, top)
 
 
-def cores(snapshots: list[tuple[float, dict[int, tuple[str, float]]]], start: float, end: float,
-          top: int = 12) -> dict[str, float]:
+def cores(
+    snapshots: list[tuple[float, dict[int, tuple[str, float]]]], start: float, end: float, top: int = 12
+) -> dict[str, float]:
     """Average cores per process name between the first and the last sample inside [start, end], the busiest
     `top` names, with `total` (every process of the tree) and `window_s`; {} without two samples there."""
     inside = [s for s in snapshots if start <= s[0] <= end]
@@ -82,5 +83,8 @@ def cores(snapshots: list[tuple[float, dict[int, tuple[str, float]]]], start: fl
     for pid, (name, cpu) in last.items():
         used[name] = used.get(name, 0.0) + cpu - first.get(pid, (name, 0.0))[1]
     ranked = sorted(used.items(), key=lambda kv: -kv[1])[:top]
-    return {"window_s": round(seconds, 2), "total": round(sum(used.values()) / seconds, 3),
-            **{name: round(cpu / seconds, 3) for name, cpu in ranked if cpu > 0}}
+    return {
+        "window_s": round(seconds, 2),
+        "total": round(sum(used.values()) / seconds, 3),
+        **{name: round(cpu / seconds, 3) for name, cpu in ranked if cpu > 0},
+    }

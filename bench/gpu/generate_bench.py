@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.config import config_from_dict  # noqa: E402
+from eagle3_ray.core.config import config_from_dict  # noqa: E402
 
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
@@ -44,30 +44,49 @@ CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_nu
 
 def make_cfg(args, work: str, mode: str, out_len: int):
     gpu = not args.tiny
-    return config_from_dict({
-        "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
-        "verifier": {"path": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-                     "aux_layer_ids": args.aux_layer_ids},
-        "generate": {"mode": mode, "max_tokens": out_len, "ignore_eos": True, "temperature": 0.0,
-                     "engine_kwargs": args.engine_kwargs, "num_gpus_per_worker": 1.0 if gpu else 0.0,
-                     "num_cpus_per_replica": args.num_cpus_per_replica,
-                     "units_in_flight": args.units_in_flight, "capture_buffer_bytes": args.capture_buffer_bytes,
-                     "writer_threads": args.writer_threads,
-                     "max_batch_tokens": args.max_batch_tokens, "shard_max_bytes": args.shard_max_bytes}})
+    return config_from_dict(
+        {
+            "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
+            "verifier": {
+                "path": args.model,
+                "dtype": args.dtype,
+                "max_model_len": args.max_model_len,
+                "aux_layer_ids": args.aux_layer_ids,
+            },
+            "generate": {
+                "mode": mode,
+                "max_tokens": out_len,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "engine_kwargs": args.engine_kwargs,
+                "num_gpus_per_worker": 1.0 if gpu else 0.0,
+                "num_cpus_per_replica": args.num_cpus_per_replica,
+                "units_in_flight": args.units_in_flight,
+                "capture_buffer_bytes": args.capture_buffer_bytes,
+                "writer_threads": args.writer_threads,
+                "max_batch_tokens": args.max_batch_tokens,
+                "shard_max_bytes": args.shard_max_bytes,
+            },
+        }
+    )
 
 
 def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
     from transformers import AutoTokenizer
 
-    from eagle3_ray.prompts import tiny_prompts
+    from eagle3_ray.core.prompts import tiny_prompts
 
     tok = AutoTokenizer.from_pretrained(args.model)
     convs = []
     for row in tiny_prompts(num_prompts=args.num_prompts):
         first_user = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        convs.append(row["messages"][:first_user + 1])
-    ids = [tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False)["input_ids"] for c in convs]
+        convs.append(row["messages"][: first_user + 1])
+    ids = [
+        tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for c in convs
+    ]
     return convs, ids
 
 
@@ -78,8 +97,8 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     from vllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - t0
-    from eagle3_ray.engine import engine_kwargs, scratch_dir
-    from eagle3_ray.generate_output import capture_contract
+    from eagle3_ray.generate.engine import engine_kwargs, scratch_dir
+    from eagle3_ray.generate.output import capture_contract
 
     cfg = make_cfg(args, args.work, "generate", out_len)
     contract = capture_contract(cfg, args.model)
@@ -90,11 +109,18 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     if mode == "prefill":  # the ids stage_capture_only sends for these conversations
         prompts = capture_only_ids(args, out_len)
     paths = [os.path.join(scratch, f"req-{i:05d}.safetensors") for i in range(len(prompts))]
-    capture = [{"kv_transfer_params": {"hidden_states_path": p, "include_output_tokens": mode == "capture"}}
-               for p in paths]
-    params = [SamplingParams(temperature=0.0, max_tokens=1 if mode == "prefill" else out_len,
-                             ignore_eos=mode != "prefill", extra_args=None if mode == "plain" else extra)
-              for extra in capture]
+    capture = [
+        {"kv_transfer_params": {"hidden_states_path": p, "include_output_tokens": mode == "capture"}} for p in paths
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=1 if mode == "prefill" else out_len,
+            ignore_eos=mode != "prefill",
+            extra_args=None if mode == "plain" else extra,
+        )
+        for extra in capture
+    ]
     t0, started = time.perf_counter(), time.time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     generate_s = time.perf_counter() - t0  # the last request is out; its capture file may still be on its way
@@ -103,15 +129,25 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     cpu = {"cpu_cores": args.sampler.cores(started, time.time())} if args.sampler else {}
     out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
     if mode == "plain":
-        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
         Path(args.work, f"plain-{out_len}-sequences.json").write_text(json.dumps(seqs))
     shutil.rmtree(scratch, ignore_errors=True)
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"mode": mode, "out_len": out_len, "engine_start_s": start_s, "vllm_import_s": import_s, "wall_s": wall_s,
-            "generate_s": generate_s,
-            "scratch_dirs": [os.path.dirname(scratch)],
-            "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "bytes_written": num_bytes,
-            "output_tokens_per_s": out_tokens / wall_s, "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, **cpu}
+    return {
+        "mode": mode,
+        "out_len": out_len,
+        "engine_start_s": start_s,
+        "vllm_import_s": import_s,
+        "wall_s": wall_s,
+        "generate_s": generate_s,
+        "scratch_dirs": [os.path.dirname(scratch)],
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "bytes_written": num_bytes,
+        "output_tokens_per_s": out_tokens / wall_s,
+        "tokens_per_s": (prompt_tokens + out_tokens) / wall_s,
+        **cpu,
+    }
 
 
 def files_complete(paths: list[str]) -> int:
@@ -127,7 +163,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     """The generate stage on the same prompts (capture_only: on the plain run's decoded responses)."""
     import ray
 
-    from eagle3_ray.generate import run
+    from eagle3_ray.generate.stage import run
 
     cfg = make_cfg(args, args.work, mode, out_len)
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
@@ -139,8 +175,9 @@ def stage_child(args, mode: str, out_len: int) -> dict:
         summary = run(cfg)
     finally:
         ray.shutdown()
-    actor_logs = "".join(Path(p).read_text(errors="replace")
-                         for p in glob.glob(f"{ray_dir}/session_latest/logs/worker-*.out"))
+    actor_logs = "".join(
+        Path(p).read_text(errors="replace") for p in glob.glob(f"{ray_dir}/session_latest/logs/worker-*.out")
+    )
     out = summary["path"]
     engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
     last_commit = max(os.path.getmtime(p) for p in glob.glob(f"{out}/parts/*.parquet"))
@@ -157,15 +194,26 @@ def stage_child(args, mode: str, out_len: int) -> dict:
         shutil.rmtree(f"{out}/shards", ignore_errors=True)
     out_tokens = sum(conv["num_response_tokens"]) if mode != "capture_only" else 0
     prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
-    return {"mode": f"stage_{mode}", "out_len": out_len, "wall_s": wall_s, "total_wall_s": summary["run_wall_s"],
-            "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines], "prompt_tokens": prompt_tokens,
-            "scratch_dirs": sorted({os.path.dirname(e["scratch"]) for e in engines}),
-            "units": unit_timings(out), "unit_log": unit_log(actor_logs), "writer_threads": cfg.generate.writer_threads,
-            "shard_max_bytes": cfg.generate.shard_max_bytes,
-            "output_tokens": out_tokens, "captured_tokens": summary["captured_tokens"],
-            "bytes_written": summary["shard_bytes"], "output_tokens_per_s": out_tokens / wall_s,
-            "tokens_per_s": (prompt_tokens + out_tokens) / wall_s, "capture_stats": summary.get("capture_stats"),
-            **cpu}
+    return {
+        "mode": f"stage_{mode}",
+        "out_len": out_len,
+        "wall_s": wall_s,
+        "total_wall_s": summary["run_wall_s"],
+        "engine_start_s": [e["ready_time"] - e["start_time"] for e in engines],
+        "prompt_tokens": prompt_tokens,
+        "scratch_dirs": sorted({os.path.dirname(e["scratch"]) for e in engines}),
+        "units": unit_timings(out),
+        "unit_log": unit_log(actor_logs),
+        "writer_threads": cfg.generate.writer_threads,
+        "shard_max_bytes": cfg.generate.shard_max_bytes,
+        "output_tokens": out_tokens,
+        "captured_tokens": summary["captured_tokens"],
+        "bytes_written": summary["shard_bytes"],
+        "output_tokens_per_s": out_tokens / wall_s,
+        "tokens_per_s": (prompt_tokens + out_tokens) / wall_s,
+        "capture_stats": summary.get("capture_stats"),
+        **cpu,
+    }
 
 
 def unit_timings(out: str) -> list[dict]:
@@ -173,8 +221,13 @@ def unit_timings(out: str) -> list[dict]:
     spans), so a tail of commits after generation shows."""
     engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
     ready = min(e["ready_time"] for e in engines)
-    return sorted(({"unit": Path(p).stem, "committed_s": round(os.path.getmtime(p) - ready, 3)}
-                   for p in glob.glob(f"{out}/parts/*.parquet")), key=lambda u: u["committed_s"])
+    return sorted(
+        (
+            {"unit": Path(p).stem, "committed_s": round(os.path.getmtime(p) - ready, 3)}
+            for p in glob.glob(f"{out}/parts/*.parquet")
+        ),
+        key=lambda u: u["committed_s"],
+    )
 
 
 def generate_table(out: str) -> dict:
@@ -191,13 +244,15 @@ def capture_only_convs(args, out_len: int) -> tuple[list[list[dict]], list[list[
     convs, ids = prompt_ids(args)
     tok = AutoTokenizer.from_pretrained(args.model)
     seqs = json.loads(Path(args.work, f"plain-{out_len}-sequences.json").read_text())
-    return [c + [{"role": "assistant", "content": tok.decode(s[len(p):], skip_special_tokens=True)}]
-            for c, p, s in zip(convs, ids, seqs)], ids
+    return [
+        c + [{"role": "assistant", "content": tok.decode(s[len(p) :], skip_special_tokens=True)}]
+        for c, p, s in zip(convs, ids, seqs, strict=True)
+    ], ids
 
 
 def capture_only_ids(args, out_len: int) -> list[list[int]]:
     """The token ids the capture_only stage prefills for capture_only_convs (its planner's own templating)."""
-    from eagle3_ray.generate import chat_encoder, with_prefill_ids
+    from eagle3_ray.generate.stage import chat_encoder, with_prefill_ids
 
     cfg = make_cfg(args, args.work, "capture_only", out_len)
     rows = [{"messages": c} for c in capture_only_convs(args, out_len)[0]]
@@ -210,11 +265,19 @@ def write_ingest(cfg, args, mode: str, out_len: int) -> None:
 
     import pyarrow as pa
 
-    from eagle3_ray import stage, storage
+    from eagle3_ray.core import stage, storage
 
     convs, ids = capture_only_convs(args, out_len) if mode == "capture_only" else prompt_ids(args)
-    rows = [{"id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16], "messages": c, "source": f"bench:{i}",
-             "num_turns": 1, "num_prompt_tokens": len(p)} for i, (c, p) in enumerate(zip(convs, ids))]
+    rows = [
+        {
+            "id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16],
+            "messages": c,
+            "source": f"bench:{i}",
+            "num_turns": 1,
+            "num_prompt_tokens": len(p),
+        }
+        for i, (c, p) in enumerate(zip(convs, ids, strict=True))
+    ]
     out = stage.output_dir(cfg, "ingest")
     storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), pa.Table.from_pylist(rows))
     storage.write_json_atomic(storage.join(out, "summary.json"), {"rows_ok": len(rows)})
@@ -230,8 +293,11 @@ def run_child(args, mode: str, out_len: int) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).with_name(f"generate_bench-{mode}-{out_len}.log").write_text(proc.stdout)
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    result = results[-1] if proc.returncode == 0 and results else \
-        {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
+    result = (
+        results[-1]
+        if proc.returncode == 0 and results
+        else {"mode": mode, "out_len": out_len, "error": f"exit {proc.returncode}"}
+    )
     if "error" in result:
         sys.stdout.write(proc.stdout[-5000:])
     print("RESULT " + json.dumps(result), flush=True)
@@ -266,18 +332,24 @@ def summary(path: str) -> str:
         if "error" in row:
             lines.append(f"{row['mode']:<20}{row['out_len']:>6}  failed: {row['error']}")
             continue
-        lines.append(f"{row['mode']:<20}{row['out_len']:>6}{row['tokens_per_s']:>10.0f} tok/s  wall "
-                     f"{row['wall_s']:.2f} s  engine start {row.get('engine_start_s')}")
+        lines.append(
+            f"{row['mode']:<20}{row['out_len']:>6}{row['tokens_per_s']:>10.0f} tok/s  wall "
+            f"{row['wall_s']:.2f} s  engine start {row.get('engine_start_s')}"
+        )
         units = row.get("unit_log") or []
         if units:
             tail = " ".join(f"{k} {max(u.get(k) or 0 for u in units):.3f}" for k in TAIL)
             spent = " ".join(f"{k} {sum(u.get(k) or 0 for u in units):.3f}" for k in ("capture_wait_s", "prepare_s"))
-            lines.append(f"    {len(units)} units: {tail}; summed {spent}; longest connector step "
-                         f"{max(u.get('max_connector_step_s') or 0 for u in units):.3f} s")
+            lines.append(
+                f"    {len(units)} units: {tail}; summed {spent}; longest connector step "
+                f"{max(u.get('max_connector_step_s') or 0 for u in units):.3f} s"
+            )
         if row.get("cpu_cores"):
             shares = {k: v for k, v in row["cpu_cores"].items() if k not in ("window_s", "total")}
-            lines.append(f"    cores over {row['cpu_cores']['window_s']} s: total {row['cpu_cores']['total']}; "
-                         + ", ".join(f"{k} {v}" for k, v in list(shares.items())[:8]))
+            lines.append(
+                f"    cores over {row['cpu_cores']['window_s']} s: total {row['cpu_cores']['total']}; "
+                + ", ".join(f"{k} {v}" for k, v in list(shares.items())[:8])
+            )
     return "\n".join(lines)
 
 
@@ -292,16 +364,21 @@ def ratios(results: list[dict], out_len: int) -> dict:
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
         return by[a][key] / by[b][key] if a in by and b in by else None
 
-    return {"capture_vs_plain": ratio("capture", "plain"),
-            "stage_generate_vs_capture (>= 0.9)": ratio("stage_generate", "capture"),
-            "stage_generate_vs_plain": ratio("stage_generate", "plain"),
-            "stage_two_pass_vs_stage_generate (>= 1.25 at 2048)": ratio("stage_two_pass", "stage_generate"),
-            "stage_two_pass_vs_stage_generate_total_wall": (by["stage_generate"]["total_wall_s"] /
-                                                            by["stage_two_pass"]["total_wall_s"])
-            if "stage_two_pass" in by and "stage_generate" in by else None,
-            "stage_capture_only_vs_prefill (>= 0.9)": ratio("stage_capture_only", "prefill"),
-            "stage_capture_only_tokens_vs_prefill (1: the same ids)": ratio("stage_capture_only", "prefill",
-                                                                           "prompt_tokens")}
+    return {
+        "capture_vs_plain": ratio("capture", "plain"),
+        "stage_generate_vs_capture (>= 0.9)": ratio("stage_generate", "capture"),
+        "stage_generate_vs_plain": ratio("stage_generate", "plain"),
+        "stage_two_pass_vs_stage_generate (>= 1.25 at 2048)": ratio("stage_two_pass", "stage_generate"),
+        "stage_two_pass_vs_stage_generate_total_wall": (
+            by["stage_generate"]["total_wall_s"] / by["stage_two_pass"]["total_wall_s"]
+        )
+        if "stage_two_pass" in by and "stage_generate" in by
+        else None,
+        "stage_capture_only_vs_prefill (>= 0.9)": ratio("stage_capture_only", "prefill"),
+        "stage_capture_only_tokens_vs_prefill (1: the same ids)": ratio(
+            "stage_capture_only", "prefill", "prompt_tokens"
+        ),
+    }
 
 
 def table(results: list[dict], out_lens: list[int]) -> str:
@@ -312,8 +389,10 @@ def table(results: list[dict], out_lens: list[int]) -> str:
             continue
         start = r["engine_start_s"]
         start = "+".join(f"{s:.0f}" for s in start) if isinstance(start, list) else f"{start:.1f}"
-        lines.append(f"{r['mode']:<20}{r['out_len']:>6}{r['tokens_per_s']:>10.0f}{r['output_tokens_per_s']:>11.0f}"
-                     f"{r['wall_s']:>9.2f}{start:>16}{r['bytes_written'] / 1e6:>12.1f}")
+        lines.append(
+            f"{r['mode']:<20}{r['out_len']:>6}{r['tokens_per_s']:>10.0f}{r['output_tokens_per_s']:>11.0f}"
+            f"{r['wall_s']:>9.2f}{start:>16}{r['bytes_written'] / 1e6:>12.1f}"
+        )
     for n in out_lens:
         lines.append(f"ratios at {n}: " + json.dumps({k: round(v, 3) for k, v in ratios(results, n).items() if v}))
     return "\n".join(lines)
@@ -335,23 +414,30 @@ def parse_args():
     p.add_argument("--drop-shards", action="store_true", help="delete each stage run's shards once measured (disk)")
     p.add_argument("--writer-threads", type=int, default=4, help="generate.writer_threads of the stage")
     p.add_argument("--num-cpus", type=int, default=None, help="Ray's CPUs (default 16 on GPU, 8 on CPU)")
-    p.add_argument("--num-cpus-per-replica", type=float, default=None,
-                   help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
-                        "stats and encoding use; default 8 on GPU, 1 on CPU (where vLLM's own worker needs the cores)")
+    p.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=None,
+        help="the engine actor's CPUs = its torch threads (Ray sets OMP_NUM_THREADS), which the writer's "
+        "stats and encoding use; default 8 on GPU, 1 on CPU (where vLLM's own worker needs the cores)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="measure every mode this many times; ratios use medians")
     p.add_argument("--work", default="/tmp/generate_bench")
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--summary", metavar="JSONL", help="print the rows of a results file (--out's .jsonl) and exit")
-    p.add_argument("--cpu-shares", action="store_true",
-                   help="each row's `cpu_cores`: average cores per process of the measurement's process tree (engine "
-                        "processes; in stage rows Ray's too) over its measured window (bench/gpu/cpu_shares.py)")
+    p.add_argument(
+        "--cpu-shares",
+        action="store_true",
+        help="each row's `cpu_cores`: average cores per process of the measurement's process tree (engine "
+        "processes; in stage rows Ray's too) over its measured window (bench/gpu/cpu_shares.py)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.summary:
         print(summary(args.summary))
         sys.exit(0)
     if args.tiny and not args.model:
-        from eagle3_ray.tiny_verifier import build_tiny_verifier
+        from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
         args.model = str(build_tiny_verifier("llama", f"{args.work}/tiny-llama"))
     if not args.model:
@@ -389,9 +475,17 @@ def main() -> None:
     print(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "results": results, "ratios": {n: ratios(results, n) for n in args.out_lens}, "table": report,
-            "args": {k: v for k, v in vars(args).items() if k != "child"}}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "ratios": {n: ratios(results, n) for n in args.out_lens},
+                    "table": report,
+                    "args": {k: v for k, v in vars(args).items() if k != "child"},
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

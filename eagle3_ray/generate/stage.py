@@ -1,0 +1,299 @@
+"""Generate stage: regenerate responses with the verifier and capture its hidden states, on Ray Data + vLLM actors.
+
+    python ray_jobs/generate.py ray_jobs/configs/tiny_cpu.yaml generate.max_tokens=64
+
+Reads the latest ingest output, plans token-bounded work units, streams them through a pool of EngineActor actors
+(one vLLM engine each, many units in flight; two_pass: a plain pool, then a capture pool) and writes
+`generate/{version}/` as docs/stages.md describes. Every unit commits as shards + `parts/{unit}.parquet`; a re-run
+skips committed samples, so a killed job resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from eagle3_ray.core import shards, stage, storage, telemetry
+from eagle3_ray.core.config import Config, versioned
+from eagle3_ray.core.raycluster import ensure_ray
+from eagle3_ray.core.tiny_verifier import verifier_dir
+from eagle3_ray.generate.chat import ChatEncoder, user_turns
+from eagle3_ray.generate.engine import EngineActor
+from eagle3_ray.generate.output import capture_contract, clean_orphans, committed_ids, finalise
+
+STAGE = "generate"
+
+
+@dataclass(slots=True)
+class Unit:
+    unit_id: str
+    samples: list[dict[str, Any]]
+    num_tokens: int
+
+
+def version(cfg: Config) -> str:
+    return storage.version_hash(
+        versioned(cfg.generate), versioned(cfg.verifier), cfg.run.seed, stage.version(cfg, "ingest")
+    )
+
+
+def with_prefill_ids(rows: list[dict[str, Any]], cfg: Config, encoder: Any) -> list[dict[str, Any]]:
+    """capture_only: each row with its templated conversation's ids (`input_ids`), the tokens its prefill captures.
+    Tokenized once, here: their count is the sample's cost in the plan, and the unit carries them to the engine
+    actor, whose requests go out without templating anything (chat.Conversation)."""
+    if cfg.generate.mode != "capture_only":
+        return rows
+    return [{**r, "input_ids": encoder.encode(r["messages"], False)} for r in rows]
+
+
+def sample_cost(row: dict[str, Any], cfg: Config, encoder: Any) -> int:
+    """Tokens a sample occupies in an engine call: its prompt(s) plus the responses it may generate (capture_only:
+    the rows of with_prefill_ids)."""
+    gen = cfg.generate
+    if gen.mode == "capture_only":
+        return len(row["input_ids"])
+    if row["num_turns"] <= 1:
+        return row["num_prompt_tokens"] + gen.max_tokens
+    users = [m for m in row["messages"] if m["role"] != "assistant"]
+    return len(encoder.encode(users, True)) + row["num_turns"] * gen.max_tokens
+
+
+def plan_units(rows: list[dict[str, Any]], costs: list[int], cfg: Config) -> tuple[list[Unit], list[dict]]:
+    """Greedy packing in input order up to generate.max_batch_tokens; an oversized sample goes alone or is rejected."""
+    budget = cfg.generate.max_batch_tokens
+    packer, groups, rejects = shards.GreedyPacker(budget), [], []
+    for row, cost in zip(rows, costs, strict=True):
+        if cost > budget and cfg.generate.oversize == "reject":
+            rejects.append(
+                {
+                    "id": row["id"],
+                    "reason": "over_batch_budget",
+                    "detail": f"{cost} tokens > generate.max_batch_tokens {budget}",
+                }
+            )
+            continue
+        sample = {"id": row["id"], "messages": row["messages"], "source": row["source"]}
+        if row.get("input_ids") is not None:  # with_prefill_ids
+            sample["input_ids"] = row["input_ids"]
+        if (group := packer.add((sample, cost), cost)) is not None:
+            groups.append(group)
+    groups += [last] if (last := packer.flush()) else []
+    return [_unit([s for s, _ in group], sum(c for _, c in group)) for group in groups], rejects
+
+
+def _unit(samples: list[dict[str, Any]], num_tokens: int) -> Unit:
+    """A unit's id hashes its sample ids: the same samples make the same unit in a resumed run."""
+    ids = "\n".join(sorted(s["id"] for s in samples))
+    return Unit(hashlib.sha256(ids.encode()).hexdigest()[:16], samples, num_tokens)
+
+
+def placement_args(cfg: Config, created: list) -> dict[str, Any]:
+    """map_batches resources for one replica. TP>1: a STRICT_PACK placement group per replica (one bundle per TP
+    worker, all on one node) that the engine actor and vLLM's Ray workers are scheduled into; `created` collects
+    the groups so the stage removes them when it ends. `ray_remote_args_fn` is what Ray 2.60's ray.data.llm vLLM
+    stage uses for the same purpose; Ray removes it in 2.64, hence the Ray pin in pyproject.toml."""
+    gen = cfg.generate
+    if gen.tensor_parallel_size == 1:
+        return {"num_cpus": gen.num_cpus_per_replica, "num_gpus": gen.num_gpus_per_worker}
+
+    def remote_args() -> dict[str, Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
+        pg = ray.util.placement_group(bundles, strategy="STRICT_PACK")
+        created.append(pg)
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+
+    return {"num_cpus": 1, "num_gpus": 0, "ray_remote_args_fn": remote_args}
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    ingest_dir = stage.input_dir(cfg, "ingest")
+    return stage.run(
+        cfg, STAGE, version(cfg), lambda out: _generate(cfg, ingest_dir, out), inputs={"ingest": ingest_dir}
+    )
+
+
+def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
+    ensure_ray(cfg.run)
+    verifier_path = verifier_dir(cfg)
+    contract = capture_contract(cfg, verifier_path)
+    storage.write_json_atomic(storage.join(out, "capture.json"), contract)
+
+    table = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet"))
+    clean_orphans(out)
+    done = committed_ids(out)
+    pending = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(done), pa.string())))).to_pylist()
+    encoder = chat_encoder(verifier_path, cfg)
+    pending = with_prefill_ids(pending, cfg, encoder)
+    units, plan_rejects = plan_units(pending, [sample_cost(r, cfg, encoder) for r in pending], cfg)
+    telemetry.log(
+        STAGE,
+        "plan",
+        path=out,
+        rows_in=table.num_rows,
+        already_done=len(done),
+        units=len(units),
+        samples=sum(len(u.samples) for u in units),
+        plan_rejects=len(plan_rejects),
+    )
+    start = time.monotonic()
+    processed = _execute(cfg, units, verifier_path, contract["layer_ids"], out) if units else {"tokens": 0, "bytes": 0}
+    wall_s = time.monotonic() - start
+    return finalise(cfg, out, table, plan_rejects, contract, processed, wall_s)
+
+
+def chat_encoder(verifier_path: str, cfg: Config):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=cfg.verifier.trust_remote_code)
+    return ChatEncoder(tok, cfg.generate.enable_thinking)
+
+
+def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list[int], out: str) -> dict[str, Any]:
+    """Stream units through the engine pool(s), logging progress as summaries come back. `generate` and
+    `capture_only` run one pool; `two_pass` runs a plain pool over the units not yet regenerated, then (that pool
+    gone, its GPUs free) a capture pool over the regenerated conversations."""
+    mode = resolve_mode(cfg, units)
+    if mode != "two_pass":
+        kind = "prefill" if mode == "capture_only" else "generate"
+        return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}
+    generated = generated_records(out)
+    todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
+    first = _run_pool(cfg, todo, "plain", verifier_path, layer_ids, out) if todo else {}
+    generated = generated_records(out)
+    second = [Unit(u.unit_id, [generated[s["id"]] for s in u.samples], u.num_tokens) for u in units]
+    totals = _run_pool(cfg, second, "prefill", verifier_path, layer_ids, out)
+    storage.delete(storage.join(out, "generated"))  # every first-pass record is captured in a part by now
+    return {**totals, "first_pass": first, "mode": mode}
+
+
+def resolve_mode(cfg: Config, units: list[Unit]) -> str:
+    """`auto` -> two_pass when the pending samples' output tokens (max_tokens per user turn) exceed
+    generate.two_pass_min_output_ratio x their prompt tokens (the rule and its numbers: GenerateConfig.mode)."""
+    gen = cfg.generate
+    if gen.mode != "auto":
+        return gen.mode
+    output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
+    prompt = sum(u.num_tokens for u in units) - output
+    mode = "two_pass" if output > gen.two_pass_min_output_ratio * max(prompt, 1) else "generate"
+    telemetry.log(
+        STAGE,
+        "auto_mode",
+        mode=mode,
+        output_tokens=output,
+        prompt_tokens=prompt,
+        min_output_ratio=gen.two_pass_min_output_ratio,
+    )
+    return mode
+
+
+def generated_records(out: str) -> dict[str, dict[str, Any]]:
+    """two_pass's first-pass records by sample id (`generated/*.parquet`): a regenerated conversation with its
+    input_ids and loss_mask, or a reject; a sample found twice (a unit retried after commit) keeps one."""
+    files = storage.list_files(storage.join(out, "generated"), ".parquet")
+    rows = [r for f in sorted(files) for r in storage.read_parquet(f).to_pylist()]
+    return {r["id"]: r for r in reversed(rows)}
+
+
+def engine_pool_args(cfg: Config, created_pgs: list) -> dict[str, Any]:
+    """map_batches arguments of an engine pool: one async actor per replica (EngineActor.__call__ is a coroutine)
+    working on `units_in_flight` units at once: Ray Data sends that many one-unit tasks to each actor and Ray Core
+    runs them concurrently on the actor's event loop (what ray.data.llm does with max_concurrency; Ray 2.60 names
+    it max_concurrent_calls_per_actor). With the replica's resources or placement group (placement_args)."""
+    import ray
+
+    gen = cfg.generate
+    compute = ray.data.ActorPoolStrategy(
+        min_size=gen.num_replicas,
+        max_size=gen.max_replicas or gen.num_replicas,
+        max_tasks_in_flight_per_actor=gen.units_in_flight,
+        max_concurrent_calls_per_actor=gen.units_in_flight,
+    )
+    return {"batch_size": 1, "compute": compute, **placement_args(cfg, created_pgs)}
+
+
+def _run_pool(
+    cfg: Config, units: list[Unit], kind: str, verifier_path: str, layer_ids: list[int], out: str
+) -> dict[str, Any]:
+    import ray
+
+    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens} for u in units]
+    created_pgs: list = []
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        EngineActor,
+        fn_constructor_kwargs={
+            "cfg_dict": cfg.to_dict(),
+            "verifier_path": verifier_path,
+            "layer_ids": layer_ids,
+            "out_dir": out,
+            "kind": kind,
+        },
+        **engine_pool_args(cfg, created_pgs),
+    )
+    progress = _Progress(cfg, sum(len(u.samples) for u in units), kind)
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            progress.add(batch.to_pylist())
+    except Exception as e:
+        raise RuntimeError(f"generate stage failed: {_root_message(e)}") from e
+    finally:
+        for pg in created_pgs:
+            ray.util.remove_placement_group(pg)
+    return progress.totals()
+
+
+def _root_message(e: BaseException) -> str:
+    """The innermost error that says what went wrong (Ray wraps actor errors several times)."""
+    text = str(e)
+    for marker in ("generate: the vLLM engine failed to start", "generate: capture check failed"):
+        if marker in text:
+            return text[text.index(marker) :].splitlines()[0]
+    return f"{type(e).__name__}: {text[:2000]}"
+
+
+class _Progress:
+    def __init__(self, cfg: Config, num_samples: int, kind: str):
+        self.tags = {"stage": STAGE, "run": cfg.run.name}
+        self.kind = kind
+        self.meter = telemetry.RateMeter()
+        self.num_samples, self.done, self.rejected, self.tokens, self.bytes = num_samples, 0, 0, 0, 0
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        ok = [r for r in rows if r["status"] == "ok"]
+        tokens, nbytes = sum(r["num_tokens"] for r in ok), sum(r["num_bytes"] for r in rows)
+        self.done += len(rows)
+        self.rejected += len(rows) - len(ok)
+        self.tokens += tokens
+        self.bytes += nbytes
+        counts = (("samples_total", len(ok)), ("captured_tokens_total", tokens), ("shard_bytes_total", nbytes))
+        for name, value in counts:
+            if value > 0:  # Ray counters reject non-positive increments
+                telemetry.metrics.counter(name, f"generate: {name}").inc(value, tags=self.tags)
+        telemetry.log(
+            STAGE,
+            "progress",
+            engine=self.kind,
+            samples=f"{self.done}/{self.num_samples}",
+            rejected=self.rejected,
+            tokens=self.tokens,
+            tokens_per_s=self.meter.per_s(self.tokens),
+            bytes_written=self.bytes,
+        )
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "samples": self.done,
+            "rejected": self.rejected,
+            "wall_s": self.meter.elapsed_s,
+            "end_time": time.time(),
+        }

@@ -1,0 +1,194 @@
+"""Online training: the dataset of the train run is the capture pipeline itself, with no hidden states on storage.
+
+    python ray_jobs/pipeline.py ray_jobs/configs/tiny_cpu.yaml train.source=online
+
+Ray Data reads the ingested conversations as token-bounded work units (generate.py's planner), a pool of
+StreamEngine actors (the generate section's engines and resources) regenerates and captures them, and each captured
+sample leaves the actor as a row whose hidden states are an ndarray. `TorchTrainer(datasets={"train": ds})` splits
+that stream over the train workers (`ray.train.get_dataset_shard`), which pack rows into the same batches offline
+training builds (online_worker.py). Engines and trainers run at the same time on their own CPUs/GPUs; Ray Data's
+object-store limit (`train.online_buffer_bytes`) pauses the engines when the trainers fall behind.
+
+Every epoch re-executes the stream (the verifier runs again) unless `train.online_cache` is on: then the engines also
+commit each unit as shards + a part file under train/{version}/cache/ (generate's format), and epochs after the first
+train from that cache. Outputs, metrics and checkpoints are those of train.py (train/{version}/, train/LATEST.json).
+
+Recovery: a killed train worker makes Ray Train restart the worker group from the last epoch checkpoint; the new
+group's dataset shard re-executes the stream from its start, so the interrupted epoch is trained again from the
+checkpoint's weights and every sample is trained once in it (the partial epoch's updates are discarded with the
+weights that made them). With the cache on, units already committed are read back instead of regenerated. A killed
+engine actor is restarted by Ray Data and its unit redone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ray.train import DataConfig
+
+from eagle3_ray.core import stage, storage
+from eagle3_ray.core.config import Config, versioned
+from eagle3_ray.core.telemetry import log
+from eagle3_ray.core.tiny_verifier import verifier_dir
+from eagle3_ray.generate import chat
+from eagle3_ray.generate.output import capture_contract
+from eagle3_ray.generate.stage import chat_encoder, engine_pool_args, plan_units, sample_cost, with_prefill_ids
+from eagle3_ray.train import data, vocab
+from eagle3_ray.train.online_engine import StreamEngine
+from eagle3_ray.train.worker import WorkerArgs
+
+STAGE = "train"
+
+
+def version(cfg: Config) -> str:
+    """The train stage's version in online mode: what the generate stage's and the train stage's would hash."""
+    return storage.version_hash(
+        "train-online",
+        versioned(cfg.train),
+        versioned(cfg.generate),
+        versioned(cfg.verifier),
+        cfg.run.seed,
+        stage.version(cfg, "ingest"),
+    )
+
+
+def build_dataset(
+    cfg: Config,
+    units: list,
+    verifier_path: str,
+    layer_ids: list[int],
+    out_dir: str,
+    cache_dir: str | None,
+    created_pgs: list,
+):
+    """The lazy stream of captured samples; nothing runs until a train worker iterates its shard. The engine pool
+    is the generate stage's (generate.engine_pool_args: many units in flight per actor)."""
+    import ray
+
+    items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens} for u in units]
+    return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        StreamEngine,
+        fn_constructor_kwargs={
+            "cfg_dict": cfg.to_dict(),
+            "verifier_path": verifier_path,
+            "layer_ids": layer_ids,
+            "out_dir": out_dir,
+            "cache_dir": cache_dir,
+        },
+        **engine_pool_args(cfg, created_pgs),
+    )
+
+
+class StreamDataConfig(DataConfig):
+    """Train's DataConfig with a split that keeps every row: the default `streaming_split(equal=True)` drops rows
+    to give each worker the same count; the online worker loop keeps DDP ranks in step itself (online_worker.py)."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        output: list[dict] = [{} for _ in range(world_size)]
+        for name, ds in datasets.items():
+            ds = ds.copy(ds)
+            ds.context.execution_options = self._resolve_execution_options(name)
+            for i, split in enumerate(ds.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)):
+                output[i][name] = split
+        return output
+
+
+def data_config(cfg: Config) -> StreamDataConfig:
+    """Ray Data limits for the stream: the engines' CPUs/GPUs (plus one CPU for the read tasks) and a bounded
+    object store, so the engines pause when the trainers fall behind. `resource_limits` is replaced whole (its
+    fields have no setters in Ray 2.60)."""
+    from ray.data import ExecutionOptions, ExecutionResources
+
+    gen = cfg.generate
+    replicas = gen.max_replicas or gen.num_replicas
+    gpus = replicas * gen.tensor_parallel_size * gen.num_gpus_per_worker
+    cpus = replicas * (gen.num_cpus_per_replica if gen.tensor_parallel_size == 1 else 1 + gen.tensor_parallel_size)
+    limits = ExecutionResources(cpu=cpus + 1, gpu=gpus, object_store_memory=cfg.train.online_buffer_bytes)
+    return StreamDataConfig(execution_options=ExecutionOptions(resource_limits=limits))
+
+
+def draft_vocab(out_dir: str, rows: list[dict], cfg: Config, encoder, capture: dict) -> None:
+    """The draft vocabulary, built before any response exists: token counts of the training split's templated
+    conversations as ingested (prompts, plus assistant turns where the input has them). Offline builds it from the
+    regenerated responses, so the two can differ; in generate.mode=capture_only they count the same turns."""
+    vocab_dir = storage.join(out_dir, "vocab")
+    if vocab.vocab_exists(vocab_dir):
+        return
+    train_rows = [r for r in rows if not data.is_validation(r["id"], cfg.train.val_fraction)]
+    counted = []
+    for r in train_rows:
+        ids = encoder.encode(r["messages"], r["messages"][-1]["role"] != "assistant")
+        spans = encoder.assistant_spans(r["messages"])
+        counted.append((ids, chat.loss_mask(spans, len(ids)) if spans else [1] * len(ids)))
+    d2t, t2d = vocab.build_vocab(vocab.count_tokens(counted), cfg.train.draft_vocab_size, capture["vocab_size"])
+    vocab.save_vocab(vocab_dir, d2t, t2d, vocab.count_tokens(counted))
+
+
+def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
+    """Packed steps per epoch from planned token costs (prompt + max_tokens per turn, an upper bound): the LR schedule
+    needs a length before any response exists."""
+    tokens_per_step = cfg.train.total_seq_len * cfg.train.num_workers
+    return max(1, math.ceil(sum(costs) * (1 - cfg.train.val_fraction) / tokens_per_step))
+
+
+def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
+    """(rows, units, plan rejects, token costs) of the conversations this run trains on."""
+    rows = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")).to_pylist()
+    rows = rows[: cfg.train.online_max_samples]
+    encoder = chat_encoder(verifier_path, cfg)
+    rows = with_prefill_ids(rows, cfg, encoder)
+    costs = [sample_cost(r, cfg, encoder) for r in rows]
+    units, rejects = plan_units(rows, costs, cfg)
+    return rows, units, rejects, costs, encoder
+
+
+def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], cfg: Config) -> dict:
+    rejected = {r["id"] for r in rejects}
+    ids = [r["id"] for r in rows if r["id"] not in rejected]
+    val_ids = sorted(i for i in ids if data.is_validation(i, cfg.train.val_fraction))
+    split = {
+        "val_fraction": cfg.train.val_fraction,
+        "num_train": len(ids) - len(val_ids),
+        "val_ids": val_ids,
+        "source": "online",
+        "plan_rejects": rejects,
+    }
+    storage.write_json_atomic(storage.join(out_dir, "split.json"), split)
+    return split
+
+
+def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
+    """The online data source of the train stage: (worker args, the lazy capture stream, split). Plans the units,
+    writes the capture contract, split and draft vocabulary; `created_pgs` collects the engines' placement groups."""
+    verifier_path = verifier_dir(cfg)
+    capture = capture_contract(cfg, verifier_path)
+    rows, units, rejects, costs, encoder = _plan(cfg, ingest_dir, verifier_path)
+    storage.write_json_atomic(storage.join(out_dir, "capture.json"), capture)
+    split = _write_split(out_dir, rows, rejects, cfg)
+    draft_vocab(out_dir, rows, cfg, encoder, capture)
+    cache_dir = storage.join(out_dir, "cache") if cfg.train.online_cache else None
+    if cache_dir:
+        storage.write_json_atomic(storage.join(cache_dir, "capture.json"), capture)
+    log(
+        STAGE,
+        "plan",
+        source="online",
+        units=len(units),
+        num_train=split["num_train"],
+        num_val=len(split["val_ids"]),
+        plan_rejects=len(rejects),
+        workers=cfg.train.num_workers,
+        epochs=cfg.train.epochs,
+        cache=bool(cache_dir),
+    )
+    args = WorkerArgs(
+        cfg=cfg.to_dict(),
+        out_dir=out_dir,
+        capture=capture,
+        val_ids=split["val_ids"],
+        cache_dir=cache_dir,
+        steps_per_epoch=estimated_steps_per_epoch(costs, cfg),
+    )
+    dataset = build_dataset(cfg, units, verifier_path, capture["layer_ids"], out_dir, cache_dir, created_pgs)
+    return args, dataset, split
