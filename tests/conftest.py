@@ -35,16 +35,21 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Tests that use one of these (directly or through another fixture) start Ray or a vLLM engine, and these modules
-# run the real entry points or train drafters: the `e2e` tier. The rest (`pytest -m "not e2e"`) is the unit tier.
+# Session fixtures of the e2e tier that live in tests/support (one Ray head, one S3 server per session).
+pytest_plugins = ["tests.support.ray_head", "tests.support.s3"]
+
+# Fixtures that start Ray or a vLLM engine: a test of the unit tier must not use them.
 E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine"}
-E2E_MODULES = {"test_export.py", "test_mla_pipeline.py"}
+TIERS = ("unit", "e2e", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in E2E_MODULES:
-            item.add_marker(pytest.mark.e2e)
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"{item.nodeid}: its file must state one tier (pytestmark = pytest.mark.<tier>)")
+        if tiers == ["unit"] and E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid}: a unit test uses an e2e fixture; move it to tests/e2e")
     # `gpu` tests need CUDA: on a machine without it they are deselected (not skipped) and said so in the summary;
     # `bash bench/gpu/run_checks.sh pytest_gpu` runs them on the H200.
     import torch

@@ -104,7 +104,7 @@ step_train2() {
 step_pytest_gpu() {
     # The suite's `gpu` tests (deselected on machines without CUDA): DeviceBatches' side-stream copies and decode,
     # the connector's step-wise encoding and norms on the device.
-    "$PY" -m pytest -q -m gpu tests/test_bench_train.py tests/test_generate.py
+    "$PY" -m pytest -q -m gpu tests/gpu
 }
 
 step_train_bench() {

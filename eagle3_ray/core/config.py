@@ -262,7 +262,8 @@ class TrainConfig:
     compiles it (inductor, default mode) whenever CUDA is present and runs it eagerly otherwise; `on`: compiled on
     any device (on CPU inductor needs a C++ compiler); `off`: eager everywhere. speculators' forward loops over the
     TTT steps around graph breaks, so dynamo runs that loop eagerly and compiles the frames it calls (each decoder
-    layer as two graphs, rotary, norms, the loss metrics). Changes speed, not results (tests/test_bench_train.py)."""
+    layer as two graphs, rotary, norms, the loss metrics). Changes speed, not results
+    (tests/unit/bench/test_bench_train.py)."""
     val_fraction: float = 0.1
     """Fraction of samples (by id hash) held out for validation."""
     log_every_steps: int = field(default=10, metadata=NOT_IN_VERSION)

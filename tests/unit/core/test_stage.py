@@ -1,0 +1,78 @@
+"""The stage skeleton: a config determines the data every stage reads. Unit tests of stage.run on a temp dir (no Ray,
+no vLLM), then the A -> B -> A case on the real stages: generate with max_tokens A, then B, then A again (skipped),
+then train with config A must train on A's captures; train with epochs A, B (with Muon), A, then export with A ships A's
+drafter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_ray.core import stage, storage
+from eagle3_ray.core.config import config_from_dict
+
+pytestmark = pytest.mark.unit
+
+
+def _cfg(tmp_path, storage_path: str | None = None, **sections):
+    return config_from_dict({"run": {"storage_path": storage_path or str(tmp_path), "name": "r"}, **sections})
+
+
+@pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
+def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, capsys, as_uri):
+    cfg = _cfg(tmp_path, f"file://{tmp_path}" if as_uri else None)
+    calls = []
+
+    def body(out: str) -> dict:
+        calls.append(out)
+        storage.write_json_atomic(storage.join(out, "data.json"), {"made_in": out})
+        return {"rows": 3}
+
+    first = stage.run(cfg, "ingest", "va", body)
+    stage.run(cfg, "ingest", "vb", body)
+    again = stage.run(cfg, "ingest", "va", body)
+    assert len(calls) == 2 and again["skipped"] and again["rows"] == first["rows"] == 3
+    latest = storage.latest(cfg.run.run_dir, "ingest")
+    assert latest["version"] == "va" and latest["path"] == first["path"] and latest["rows"] == 3
+    assert "[eagle3 ingest] already_done version=va" in capsys.readouterr().out
+    for name in ("summary.json", "provenance.json", storage.SUCCESS_MARKER):
+        assert storage.exists(storage.join(first["path"], name))
+    assert json.loads((tmp_path / "r" / "ingest" / "va" / "data.json").read_text()) == {"made_in": first["path"]}
+
+
+def test_a_failed_body_leaves_the_version_unfinished_and_latest_untouched(tmp_path):
+    cfg = _cfg(tmp_path)
+
+    def broken(out: str) -> dict:
+        storage.write_json_atomic(storage.join(out, "partial.json"), {})
+        raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        stage.run(cfg, "ingest", "va", broken)
+    assert not storage.is_complete(storage.stage_dir(cfg.run.run_dir, "ingest", "va"))
+    assert not storage.exists(storage.join(cfg.run.run_dir, "ingest", "LATEST.json"))
+
+
+def test_downstream_versions_follow_the_config_all_the_way_down(tmp_path):
+    a = _cfg(tmp_path, generate={"max_tokens": 16})
+    b = _cfg(tmp_path, generate={"max_tokens": 24})
+    faster = _cfg(tmp_path, generate={"max_tokens": 16, "num_replicas": 4}, train={"max_failures": 9})
+    assert stage.version(a, "ingest") == stage.version(b, "ingest")
+    for name in ("generate", "train", "export", "evaluate"):
+        assert stage.version(a, name) != stage.version(b, name), name
+        assert stage.version(a, name) == stage.version(faster, name), f"{name}: operational fields changed it"
+
+
+def test_reading_an_upstream_that_this_config_never_ran_names_the_version_and_latest(tmp_path):
+    a = _cfg(tmp_path, generate={"max_tokens": 16})
+    b = _cfg(tmp_path, generate={"max_tokens": 24})
+    stage.run(b, "generate", stage.version(b, "generate"), lambda out: {})
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"no finished 'generate' output for this config: .*"
+        rf"{stage.version(a, 'generate')}.*LATEST.json names version "
+        rf"{stage.version(b, 'generate')}",
+    ):
+        stage.input_dir(a, "generate")

