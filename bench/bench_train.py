@@ -99,7 +99,7 @@ def time_speculators_loop(
 def prepare(work: str, num_samples: int, draft_vocab: int) -> tuple[str, str, str]:
     """(generate dir, speculators data dir, our vocab dir) for the tiny Llama verifier."""
     from eagle3_ray.core.tiny_verifier import build_tiny_verifier
-    from tests.fixtures_generate import build_generate_output
+    from tests.support.generate_output import build_generate_output
 
     verifier = str(build_tiny_verifier("llama", os.path.join(work, "tiny-llama"), dtype="float32"))
     gen_dir = build_generate_output(os.path.join(work, "run"), verifier, num_samples=num_samples, max_new_tokens=64)
