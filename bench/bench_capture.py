@@ -51,16 +51,15 @@ def make_conversations(tokenizer, num: int) -> list[list[dict]]:
 
 def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> None:
     """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
-    import hashlib
-
     from eagle3_ray.core import stage
+    from eagle3_ray.ingest.formats import conversation_id
 
     def prompt_tokens(c: list[dict]) -> int:
         return len(tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=False))
 
     rows = [
         {
-            "id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16],
+            "id": conversation_id(c),
             "messages": c,
             "source": f"bench:{i}",
             "num_turns": 1,

@@ -14,7 +14,6 @@ clock starts; the verifier is built once and shared.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -59,6 +58,7 @@ def write_ingest(cfg, verifier: str, num_samples: int) -> None:
 
     from eagle3_ray.core import stage, storage
     from eagle3_ray.core.prompts import tiny_prompts
+    from eagle3_ray.ingest.formats import conversation_id
 
     tok = AutoTokenizer.from_pretrained(verifier)
     rows = []
@@ -67,7 +67,7 @@ def write_ingest(cfg, verifier: str, num_samples: int) -> None:
         msgs = msgs if msgs[-1]["role"] == "user" else msgs[:1]
         rows.append(
             {
-                "id": hashlib.sha256(json.dumps(msgs).encode()).hexdigest()[:16],
+                "id": conversation_id(msgs),
                 "messages": msgs,
                 "source": f"bench:{i}",
                 "num_turns": 1,

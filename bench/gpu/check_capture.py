@@ -25,32 +25,8 @@ import pyarrow.compute as pc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core import (
-    shards,
-    storage,  # noqa: E402
-)
-
-
-def reference_states(model, input_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """[T, len(layer_ids), H] from one forward pass: inputs of layers k < L, output of the last layer for k = L."""
-    layers = model.model.layers
-    seen: dict[int, torch.Tensor] = {}
-
-    def keep_input(k):
-        return lambda module, args, kwargs: seen.__setitem__(k, (args[0] if args else kwargs["hidden_states"])[0])
-
-    def keep_output(module, args, kwargs, output):
-        seen[len(layers)] = (output[0] if isinstance(output, tuple) else output)[0]
-
-    hooks = [layers[k].register_forward_pre_hook(keep_input(k), with_kwargs=True) for k in layer_ids if k < len(layers)]
-    hooks.append(layers[-1].register_forward_hook(keep_output, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids.unsqueeze(0))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack([seen[k].float() for k in layer_ids], dim=1)
+from eagle3_ray.core import shards, storage  # noqa: E402
+from eagle3_ray.core.layers import reference_hidden_states  # noqa: E402
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -112,7 +88,7 @@ def main() -> int:
     for m in samples:
         ids = conversations.filter(pc.equal(conversations["id"], m["id"]))["input_ids"][0].as_py()[: m["num_tokens"]]
         stored = shards.read_sample(storage.join(gen, "shards", m["shard"]), m["key"]).to(device)  # [T, L, H]
-        ref = reference_states(model, torch.tensor(ids, device=device), layer_ids)
+        ref = reference_hidden_states(model, torch.tensor(ids, device=device), layer_ids)
         assert stored.shape == ref.shape, f"{m['id']}: stored {tuple(stored.shape)} vs reference {tuple(ref.shape)}"
         errors = rel_error(stored.float(), ref)
         rows.append(
@@ -138,7 +114,7 @@ def main() -> int:
         stored = row.pop("stored").to(device)
         ids, ref = row.pop("ids"), row.pop("ref").to(device)
         if a.fp32_reference:
-            exact = reference_states(model, torch.tensor(ids, device=device), layer_ids)
+            exact = reference_hidden_states(model, torch.tensor(ids, device=device), layer_ids)
             capture = rel_error(stored.float(), exact)
             baseline = rel_error(ref, exact)  # transformers' own forward pass in the model dtype
             bounds = [max(a.max_rel_error, a.bf16_slack * b) for b in baseline]

@@ -91,3 +91,40 @@ def resolve_layer_ids(num_layers: int, aux_layer_ids: list[int] | None) -> tuple
             f"(num_hidden_layers); the final layer {num_layers} is always captured on its own"
         )
     return ids, num_layers
+
+
+def decoder_layers(model: Any) -> Any:
+    """A transformers causal LM's decoder layers: `model.model.layers`, or the language model's inside a multimodal
+    wrapper (`model.model.language_model.layers`, Kimi-K2.5)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+def reference_hidden_states(model: Any, input_ids: Any, layer_ids: list[int]) -> Any:
+    """What the capture stores for `input_ids` ([T] token ids), from transformers: [T, len(layer_ids), H] float32.
+
+    Id k < L is the input of decoder layer k (HF `hidden_states[k]`); id L is the last layer's output before the
+    final norm (HF's `hidden_states[L]` is the normed state, so it is not used). One forward pass with hooks, no
+    `output_hidden_states`, so an 8B model's reference costs one layer's states per id, not all of them."""
+    import torch
+
+    layers = decoder_layers(model)
+    num_layers = len(layers)
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep_input(k: int):
+        return lambda _m, args, kwargs: seen.__setitem__(k, (args[0] if args else kwargs["hidden_states"])[0])
+
+    def keep_output(_m, _args, _kwargs, output):
+        seen[num_layers] = (output[0] if isinstance(output, tuple) else output)[0]
+
+    hooks = [layers[k].register_forward_pre_hook(keep_input(k), with_kwargs=True) for k in layer_ids if k < num_layers]
+    hooks.append(layers[-1].register_forward_hook(keep_output, with_kwargs=True))
+    ids = torch.as_tensor(input_ids, device=model.device).reshape(1, -1)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([seen[k].float() for k in layer_ids], dim=1)  # shape: [T, len(layer_ids), H]

@@ -208,12 +208,11 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
     from speculators.models.eagle3.data import shift_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eagle3_ray.core.layers import reference_hidden_states
     from eagle3_ray.train import acceptance
 
     tok = AutoTokenizer.from_pretrained(verifier_dir)
     verifier = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
-    pre_norm = {}
-    verifier.model.norm.register_forward_hook(lambda mod, args, out: pre_norm.__setitem__("h", args[0]))
     config = Eagle3SpeculatorConfig.from_pretrained(drafter_dir)
     config.transformer_layer_config._attn_implementation = "sdpa"  # speculators' flex attention has no CPU path here
     drafter = Eagle3DraftModel.from_pretrained(drafter_dir, config=config).float().eval()
@@ -228,14 +227,14 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
         for p in prompts:
             prompt = tok.apply_chat_template(p["messages"], add_generation_prompt=True, return_dict=False)
             full = verifier.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[:, :-1]
-            layers = verifier(full, output_hidden_states=True).hidden_states  # shape: L+1 x [1, T, H]
+            layers = reference_hidden_states(verifier, full[0], [*aux, num_layers])  # shape: [T, len(aux) + 1, H]
             mask = torch.zeros(full.shape[1], dtype=torch.long)
             mask[len(prompt) :] = 1
             batch = shift_batch(
                 {
                     "input_ids": full[0],
-                    "hidden_states": torch.cat([layers[i][0] for i in aux], -1),
-                    "verifier_last_hidden_states": pre_norm["h"][0],
+                    "hidden_states": layers[:, :-1].flatten(1),
+                    "verifier_last_hidden_states": layers[:, -1],
                     "loss_mask": mask,
                     "lengths": torch.tensor([full.shape[1]]),
                     "position_ids": torch.arange(full.shape[1]),

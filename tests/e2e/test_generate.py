@@ -19,6 +19,7 @@ import torch
 
 from eagle3_ray.core import shards, storage
 from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.core.layers import reference_hidden_states
 from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
 from tests.support.processes import kill_processes  # noqa: E402
 
@@ -57,20 +58,6 @@ def out_dir(cfg) -> str:
     return storage.latest(cfg.run.run_dir, "generate")["path"]
 
 
-def hf_reference(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """[T, len(layer_ids), H]: HF hidden_states[k] for k < L; for L the last decoder layer's output before the final
-    norm (HF overwrites hidden_states[L] with the normed state, so hook the layer)."""
-    captured = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        hidden = model(torch.tensor([input_ids]), output_hidden_states=True).hidden_states
-    hook.remove()
-    num_layers = model.config.num_hidden_layers
-    return torch.stack([hidden[k][0] if k < num_layers else captured["last"][0] for k in layer_ids], dim=1).float()
-
-
 def max_relative_error(out: str, verifier: str, model_dtype: torch.dtype) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -78,7 +65,7 @@ def max_relative_error(out: str, verifier: str, model_dtype: torch.dtype) -> flo
     conv = {r["id"]: r for r in pq.read_table(f"{out}/conversations.parquet").to_pylist()}
     worst = 0.0
     for row in pq.read_table(f"{out}/manifest.parquet").to_pylist():
-        ref = hf_reference(model, conv[row["id"]]["input_ids"][: row["num_tokens"]], row["layer_ids"])
+        ref = reference_hidden_states(model, conv[row["id"]]["input_ids"][: row["num_tokens"]], row["layer_ids"])
         got = shards.read_sample(f"{out}/shards/{row['shard']}", row["key"])
         assert got.shape == ref.shape
         worst = max(worst, ((got - ref).norm() / ref.norm()).item())

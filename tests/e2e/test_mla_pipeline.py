@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from eagle3_ray.core import shards, storage
+from eagle3_ray.core.layers import reference_hidden_states
 from tests.support import REPO
 
 pytestmark = pytest.mark.e2e
@@ -193,21 +194,6 @@ def test_capture_contract_resolves_layers_from_the_nested_text_config(kimi_run):
     assert capture["verifier_architectures"] == ["KimiK25ForConditionalGeneration"]
 
 
-def _transformers_layers(model, input_ids: list[int]) -> torch.Tensor:
-    """[T, 4, H] at the aux layers and the final layer, from transformers' forward pass of the Kimi wrapper:
-    hidden_states[k] is the input of text layer k; the final layer is hooked before the final norm (transformers'
-    hidden_states[L] is the normed state)."""
-    text_model = model.model.language_model
-    captured = {}
-    hook = text_model.layers[-1].register_forward_hook(
-        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out)
-    )
-    with torch.no_grad():
-        hidden = model(input_ids=torch.tensor([input_ids]), output_hidden_states=True).hidden_states
-    hook.remove()
-    return torch.stack([hidden[k][0] for k in AUX] + [captured["last"][0]], dim=1).float()
-
-
 def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[str, torch.Tensor]:
     """Per layer, the worst relative error over samples against transformers in fp32 of (a) the captured bf16 states
     and (b) transformers' own bf16 forward pass: (b) is what bf16 alone costs on this model."""
@@ -221,10 +207,10 @@ def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[
     worst = {"capture": torch.zeros(len(AUX) + 1), "transformers_bf16": torch.zeros(len(AUX) + 1)}
     for row in pq.read_table(f"{out_dir}/manifest.parquet").to_pylist()[:num_samples]:
         ids = conversations[row["id"]]["input_ids"][: row["num_tokens"]]
-        ref = _transformers_layers(models[torch.float32], ids)  # shape: [T, 4, H]
+        ref = reference_hidden_states(models[torch.float32], ids, [*AUX, FINAL])  # shape: [T, 4, H]
         got = {
             "capture": shards.read_sample(f"{out_dir}/shards/{row['shard']}", row["key"]).float(),
-            "transformers_bf16": _transformers_layers(models[torch.bfloat16], ids),
+            "transformers_bf16": reference_hidden_states(models[torch.bfloat16], ids, [*AUX, FINAL]),
         }
         for name, states in got.items():
             assert states.shape == ref.shape

@@ -4,16 +4,14 @@
     gen_dir = build_generate_output(run_dir, verifier_dir, num_samples=48, max_new_tokens=48)
 
 Responses are the verifier's own greedy generations (HF `generate`), so a drafter has something learnable; hidden
-states come from a transformers forward pass over prompt + response: aux layer k is HF `hidden_states[k]` (the input
-of decoder layer k) and the final layer L is the output of the last decoder layer before the final norm, taken with
-a forward hook because HF replaces `hidden_states[L]` with the normed state. Everything is written in the format of
-docs/stages.md (generate section) with shards.py and storage.py, then `storage.set_latest(run_dir, "generate", v)`.
+states are the library's own reference (`layers.reference_hidden_states`, the capture contract on the transformers
+side), ids are `formats.conversation_id`, capture.json is `output.capture_contract`, and shards and tables are
+written with shards.py and storage.py in the generate stage's format (docs/design.md), then
+`storage.set_latest(run_dir, "generate", v)`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 from pathlib import Path
 
@@ -21,6 +19,11 @@ import pyarrow as pa
 import torch
 
 from eagle3_ray.core import shards, stage, storage
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.core.layers import reference_hidden_states
+from eagle3_ray.generate.commit import PART_SCHEMA
+from eagle3_ray.generate.output import CONVERSATION_COLUMNS, capture_contract
+from eagle3_ray.ingest.formats import conversation_id
 
 AUX_LAYER_IDS = [1, 3, 4]
 WORDS = [
@@ -50,27 +53,13 @@ WORDS = [
     "line",
 ]
 
-CONVERSATION_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("input_ids", pa.list_(pa.int32())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("num_prompt_tokens", pa.int32()),
-        ("num_response_tokens", pa.int32()),
-        ("finish_reason", pa.string()),
-        ("source", pa.string()),
-    ]
-)
+# the generate stage's conversations.parquet columns, typed as its part files type them
+CONVERSATION_SCHEMA = pa.schema([PART_SCHEMA.field(name) for name in CONVERSATION_COLUMNS])
 
 
 def make_prompts(num_prompts: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [f"Write Python that uses {' '.join(rng.sample(WORDS, 4))} ({i})" for i in range(num_prompts)]
-
-
-def _sample_id(messages: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
@@ -88,22 +77,6 @@ def _greedy_responses(model, tokenizer, prompt_ids: list[list[int]], max_new_tok
     return responses
 
 
-@torch.no_grad()
-def _capture(model, input_ids: list[int], layer_ids: list[int]) -> torch.Tensor:
-    """Hidden states [T, len(layer_ids), H] for input_ids[:T], T = len(input_ids) - 1 (generate mode)."""
-    captured: dict[str, torch.Tensor] = {}
-    hook = model.model.layers[-1].register_forward_hook(
-        lambda _m, _i, o: captured.__setitem__("final", o[0] if isinstance(o, tuple) else o)
-    )
-    try:
-        fwd = model(torch.tensor([input_ids[:-1]]), output_hidden_states=True)
-    finally:
-        hook.remove()
-    num_layers = model.config.num_hidden_layers
-    per_layer = [captured["final"][0] if k == num_layers else fwd.hidden_states[k][0] for k in layer_ids]
-    return torch.stack(per_layer, dim=1)  # shape: [T, len(layer_ids), H]
-
-
 def build_generate_output(
     run_dir: str,
     verifier_dir: str,
@@ -114,8 +87,10 @@ def build_generate_output(
     samples_per_shard: int = 16,
     seed: int = 0,
     aux_layer_ids: list[int] | None = None,
+    conversations: list[list[dict]] | None = None,
 ) -> str:
-    """Write a finished generate version under `run_dir` and point generate/LATEST.json at it; returns its dir."""
+    """Write a finished generate version under `run_dir` and point generate/LATEST.json at it; returns its dir.
+    `conversations` (prompt messages) default to `num_samples` generated coding prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
@@ -124,22 +99,22 @@ def build_generate_output(
     aux = list(aux_layer_ids or AUX_LAYER_IDS)
     num_layers = model.config.num_hidden_layers
     layer_ids = aux + [num_layers]
-    version = storage.version_hash("fixture", verifier_dir, num_samples, max_new_tokens, hidden_states_dtype, seed, aux)
+    prompts = conversations or [[{"role": "user", "content": p}] for p in make_prompts(num_samples, seed)]
+    version = storage.version_hash("fixture", verifier_dir, prompts, max_new_tokens, hidden_states_dtype, seed, aux)
     out_dir = storage.stage_dir(run_dir, "generate", version)
     if storage.is_complete(out_dir):  # deterministic: a finished copy is reused
         storage.set_latest(run_dir, "generate", version)
         return out_dir
     rows, manifest, pending = [], [], {}
-    prompts = [[{"role": "user", "content": p}] for p in make_prompts(num_samples, seed)]
     prompt_ids = [
         tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in prompts
     ]
     responses = _greedy_responses(model, tokenizer, prompt_ids, max_new_tokens)
     for i, (messages, p_ids, r_ids) in enumerate(zip(prompts, prompt_ids, responses, strict=True)):
         input_ids = p_ids + r_ids
-        hs = _capture(model, input_ids, layer_ids)
+        hs = reference_hidden_states(model, input_ids[:-1], layer_ids)  # generate mode: T = tokens - 1
         full_messages = messages + [{"role": "assistant", "content": tokenizer.decode(r_ids, skip_special_tokens=True)}]
-        sample_id = _sample_id(messages)
+        sample_id = conversation_id(messages)
         rows.append(
             {
                 "id": sample_id,
@@ -174,24 +149,15 @@ def build_generate_output(
     storage.write_parquet_atomic(
         storage.join(out_dir, "conversations.parquet"), pa.Table.from_pylist(rows, schema=CONVERSATION_SCHEMA)
     )
-    storage.write_json_atomic(
-        storage.join(out_dir, "capture.json"),
+    contract_cfg = config_from_dict(
         {
-            "aux_layer_ids": aux,
-            "final_layer_id": num_layers,
-            "layer_ids": layer_ids,
-            "final_layer_norm": "pre",
-            "hidden_size": model.config.hidden_size,
-            "num_hidden_layers": num_layers,
-            "vocab_size": model.config.vocab_size,
-            "verifier_path": verifier_dir,
-            "verifier_architectures": list(model.config.architectures or ["LlamaForCausalLM"]),
-            "model_dtype": "float32",
-            "hidden_states_dtype": hidden_states_dtype,
-        },
+            "verifier": {"aux_layer_ids": aux, "dtype": "float32"},
+            "generate": {"hidden_states_dtype": hidden_states_dtype},
+        }
     )
-    storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": num_samples, "path": out_dir})
-    storage.mark_complete(out_dir, {"num_samples": num_samples})
+    storage.write_json_atomic(storage.join(out_dir, "capture.json"), capture_contract(contract_cfg, verifier_dir))
+    storage.write_json_atomic(storage.join(out_dir, "summary.json"), {"num_samples": len(prompts), "path": out_dir})
+    storage.mark_complete(out_dir, {"num_samples": len(prompts)})
     storage.set_latest(run_dir, "generate", version)
     return out_dir
 

@@ -13,8 +13,10 @@ import torch
 from tests.support import REPO
 
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
-from check_capture import bad_tokens, reference_states  # noqa: E402
+from check_capture import bad_tokens  # noqa: E402
 from make_verifier import build, model_config  # noqa: E402
+
+from eagle3_ray.core.layers import reference_hidden_states
 
 pytestmark = pytest.mark.unit
 
@@ -58,21 +60,8 @@ def test_greedy_decoding_of_a_built_verifier_stays_inside_its_small_tokenizer(ti
     assert bool((tiny_model.lm_head.weight[len(tokenizer) :] == 0).all())
 
 
-def test_capture_reference_is_layer_inputs_and_the_last_layer_output_before_the_final_norm(tiny_model):
-    ids = torch.arange(10, 50)
-    layers = tiny_model.config.num_hidden_layers
-    ref = reference_states(tiny_model, ids, [1, 3, layers])  # shape: [T, 3, H]
-    with torch.no_grad():
-        hs = tiny_model(input_ids=ids[None], output_hidden_states=True).hidden_states
-    assert ref.shape == (40, 3, tiny_model.config.hidden_size)
-    torch.testing.assert_close(ref[:, 0], hs[1][0])
-    torch.testing.assert_close(ref[:, 1], hs[3][0])
-    # transformers' last hidden state is after the final norm; the capture contract's id L is before it
-    torch.testing.assert_close(tiny_model.model.norm(ref[:, 2]), hs[layers][0])
-
-
 def test_capture_check_names_the_tokens_that_hold_another_positions_state(tiny_model):
-    ref = reference_states(tiny_model, torch.arange(10, 74), [1, 3])  # [64, 2, H]
+    ref = reference_hidden_states(tiny_model, torch.arange(10, 74), [1, 3])  # [64, 2, H]
     stored = ref.clone()
     stored[48:64] = ref[16:32]  # the last block holds an earlier block's states (what a reused block would show)
     stored[5] += 1e-3 * ref[5]  # rounding-sized noise is not flagged

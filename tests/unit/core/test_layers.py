@@ -77,3 +77,22 @@ def test_capture_and_the_contract_check_read_the_same_text_config():
     assert verifier["architectures"] == ["KimiK25ForConditionalGeneration"]  # what capture.json records
     flat = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 32, "hidden_size": 4096}
     assert contract.text_config(flat) == flat
+
+
+def test_reference_states_are_layer_inputs_and_the_last_layer_output_before_the_final_norm(tiny_llama_fp32):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle3_ray.core.layers import reference_hidden_states
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_fp32, dtype=torch.float32).eval()
+    ids = torch.arange(10, 50)
+    layers = model.config.num_hidden_layers
+    ref = reference_hidden_states(model, ids, [1, 3, layers])  # shape: [T, 3, H]
+    with torch.no_grad():
+        hs = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    assert ref.shape == (40, 3, model.config.hidden_size)
+    torch.testing.assert_close(ref[:, 0], hs[1][0])
+    torch.testing.assert_close(ref[:, 1], hs[3][0])
+    # transformers' last hidden state is after the final norm; the capture contract's id L is before it
+    torch.testing.assert_close(model.model.norm(ref[:, 2]), hs[layers][0])
