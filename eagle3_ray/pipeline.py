@@ -18,7 +18,7 @@ import importlib
 from typing import Any
 
 from eagle3_ray.core import stage, storage
-from eagle3_ray.core.config import Config
+from eagle3_ray.core.config import Config, UserError
 from eagle3_ray.core.raycluster import ensure_ray
 from eagle3_ray.core.stage import STAGES
 from eagle3_ray.core.telemetry import RateMeter, log, metrics
@@ -29,7 +29,7 @@ def parse_stages(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in STAGES]
     if unknown or not names:
-        raise ValueError(f"--stages: unknown stage(s) {unknown or names!r}; choose from {','.join(STAGES)}")
+        raise UserError(f"--stages: unknown stage(s) {unknown or names!r}; choose from {','.join(STAGES)}")
     return [name for name in STAGES if name in names]
 
 

@@ -14,8 +14,7 @@ from eagle3_ray.core import cli
 from eagle3_ray.evaluate import stage as evaluate
 
 
-def main() -> int:
-    cfg, _ = cli.load(__doc__, "evaluate")
+def _run(cfg, _args) -> int:
     try:
         evaluate.run(cfg)
     except evaluate.DeployGateError as e:  # the gate's summary, and a non-zero exit that stops a job pipeline
@@ -25,4 +24,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(__doc__, "evaluate", _run))

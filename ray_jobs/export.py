@@ -8,8 +8,10 @@ The capture/serving contract is checked before and after writing.
 A finished version is a no-op that says so.
 """
 
+import sys
+
 from eagle3_ray.core import cli
 from eagle3_ray.train import export
 
 if __name__ == "__main__":
-    export.run(cli.load(__doc__, "export")[0])
+    sys.exit(cli.main(__doc__, "export", lambda cfg, _: export.run(cfg)))

@@ -8,8 +8,10 @@
 A resubmitted job resumes: samples already committed are skipped; a finished version is a no-op that says so.
 """
 
+import sys
+
 from eagle3_ray.core import cli
 from eagle3_ray.generate import stage as generate
 
 if __name__ == "__main__":
-    generate.run(cli.load(__doc__, "generate")[0])
+    sys.exit(cli.main(__doc__, "generate", lambda cfg, _: generate.run(cfg)))

@@ -7,8 +7,10 @@
 Re-running with the same inputs and config is a no-op that says so.
 """
 
+import sys
+
 from eagle3_ray.core import cli
 from eagle3_ray.ingest import stage as ingest
 
 if __name__ == "__main__":
-    ingest.run(cli.load(__doc__, "ingest")[0])
+    sys.exit(cli.main(__doc__, "ingest", lambda cfg, _: ingest.run(cfg)))

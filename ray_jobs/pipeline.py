@@ -6,6 +6,8 @@
 Resubmitting with the same run.storage_path and run.name resumes; the first log line says so.
 """
 
+import sys
+
 from eagle3_ray import pipeline
 from eagle3_ray.core import cli
 
@@ -14,6 +16,16 @@ def _stages(parser) -> None:
     parser.add_argument("--stages", default=",".join(pipeline.STAGES), help="comma-separated subset, run in order")
 
 
+def _run(cfg, args) -> int:
+    from eagle3_ray.evaluate.stage import DeployGateError  # imports torch: not before the config is checked
+
+    try:
+        pipeline.run(cfg, pipeline.parse_stages(args.stages))
+    except DeployGateError as e:  # the evaluate stage's gate: its summary and exit 1, as ray_jobs/evaluate.py
+        print(e, file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    cfg, args = cli.load(__doc__, "pipeline", _stages)
-    pipeline.run(cfg, pipeline.parse_stages(args.stages))
+    sys.exit(cli.main(__doc__, "pipeline", _run, _stages))

@@ -7,10 +7,17 @@ checkpoints, best/, vocab/, metrics.jsonl, tensorboard/). Prints metrics lines e
 Resubmitting the same command resumes after the last checkpoint; a finished run is a no-op.
 """
 
+import sys
+
 from eagle3_ray.core import cli
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.train import stage as train
 
-if __name__ == "__main__":
-    summary = train.run(cli.load(__doc__, "train")[0])
+
+def _run(cfg, _args) -> None:
+    summary = train.run(cfg)
     log("train", "done", version=summary["version"], best=summary["best"] and summary["best"]["path"])
+
+
+if __name__ == "__main__":
+    sys.exit(cli.main(__doc__, "train", _run))

@@ -35,8 +35,8 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Session fixtures of the e2e tier that live in tests/support (one Ray head, one S3 server per session).
-pytest_plugins = ["tests.support.ray_head", "tests.support.s3"]
+# Session fixtures that live in tests/support (one Ray head, one S3 server, one converted SmolLM2 per session).
+pytest_plugins = ["tests.support.ray_head", "tests.support.s3", "tests.support.verifiers"]
 
 # Fixtures that start Ray or a vLLM engine: a test of the unit tier must not use them.
 E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine"}

@@ -23,6 +23,12 @@ NOT_IN_VERSION = {"in_version": False}
 """Field metadata: the field changes how a stage runs, not what it writes (a new value resumes the same version)."""
 
 
+class UserError(ValueError):
+    """Bad user input found while a stage runs (a missing or empty file, a truncated file with nothing in it, a model
+    file that will not convert): the entry points (core/cli.py) print its message as one line and exit 2, without a
+    traceback. Anything else that goes wrong is a bug and keeps its traceback."""
+
+
 def versioned(section: Any) -> dict[str, Any]:
     """A config section's fields that determine its stage's output, for the stage version hash."""
     values = dataclasses.asdict(section)
@@ -67,8 +73,9 @@ class RunConfig:
 @dataclass(kw_only=True, slots=True)
 class VerifierConfig:
     path: str = "tiny:llama"
-    """HF model directory (or URI) of the verifier, or `tiny:<arch>` (llama, qwen3, deepseek_v3, kimi) to build a tiny
-    one in the run dir."""
+    """HF model directory (or URI) of the verifier; `tiny:<arch>` (llama, qwen3, deepseek_v3, kimi) to build a tiny
+    one in the run dir; or a named real model shipped in a wheel, converted once into a cache shared by every run
+    (`smollm2-135m-instruct`; core/verifiers.py)."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Dtype the verifier runs in (vLLM and the frozen parts of the drafter)."""
     trust_remote_code: bool = False

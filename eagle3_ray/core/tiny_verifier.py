@@ -13,6 +13,8 @@ vLLM (CPU build) load:
   (`limit_mm_per_prompt: {vision_chunk: 0}`, which skips building the tower).
 
     python -m eagle3_ray.core.tiny_verifier llama /tmp/tiny-llama
+
+`verifier.path: tiny:<arch>` resolves to one of these in core/verifiers.py.
 """
 
 from __future__ import annotations
@@ -249,39 +251,6 @@ def build_tiny_verifier(
 def _built(out: Path, spec: dict) -> bool:
     marker = out / "tiny_verifier.json"
     return marker.exists() and json.loads(marker.read_text()) == spec
-
-
-def local_run_dir(run_dir: str, run_name: str) -> str:
-    """A local folder for what must be local files (the tiny verifier): the run dir itself when it is local
-    (`file://` stripped), else a folder under the temp dir named after the run."""
-    if run_dir.startswith("file://"):
-        return run_dir[len("file://") :]
-    if "://" in run_dir:
-        return os.path.join(tempfile.gettempdir(), "eagle3_ray", run_name)
-    return run_dir
-
-
-def verifier_dir(cfg) -> str:
-    """The verifier directory every stage uses: `verifier.path`, or the tiny verifier it names, built (once) in the
-    run's local folder. One place, so every stage resolves the same directory and records the same path."""
-    return resolve_verifier_path(cfg.verifier.path, local_run_dir(cfg.run.run_dir, cfg.run.name), cfg.verifier.dtype)
-
-
-def verifier_dir_on_this_node(source: str, path: str, dtype: str) -> str:
-    """For code in Ray actors and tasks, which need not run on the driver's node: `path` as the driver resolved
-    `verifier.path` (`source`), except that a tiny verifier missing on this node (a remote run dir keeps it in each
-    node's temp dir) is built here first, at the same path (seeded: the same bytes)."""
-    if source.startswith("tiny:") and not Path(path).exists():  # builds are atomic: a dir that exists is complete
-        return str(build_tiny_verifier(source.split(":", 1)[1], path, dtype=dtype))
-    return path
-
-
-def resolve_verifier_path(path: str, run_dir_local: str, dtype: str = "bfloat16") -> str:
-    """`tiny:<arch>` builds a tiny verifier under the run dir; anything else is returned unchanged."""
-    if not path.startswith("tiny:"):
-        return path
-    arch = path.split(":", 1)[1]
-    return str(build_tiny_verifier(arch, Path(run_dir_local) / f"verifier-tiny-{arch}-{dtype}", dtype=dtype))
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_ray.core import contract, stage, storage, tiny_verifier
-from eagle3_ray.core.config import Config, config_from_dict, versioned
+from eagle3_ray.core import contract, stage, storage, verifiers
+from eagle3_ray.core.config import Config, UserError, config_from_dict, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.evaluate import report
 from eagle3_ray.generate.engine import with_cpu_rotary_fix
+from eagle3_ray.ingest import sources
 from eagle3_ray.ingest.formats import conversation_id
 
 STAGE = "evaluate"
@@ -112,7 +113,7 @@ def local_engine_args(engine_args: dict[str, Any], cfg: Config) -> tuple[dict[st
     store is copied here (vLLM reads local directories), a tiny verifier missing here is built here. Returns the
     arguments and the drafter copy to delete afterwards (None when the drafter was already local)."""
     args = copy.deepcopy(engine_args)
-    args["model"] = tiny_verifier.verifier_dir_on_this_node(cfg.verifier.path, args["model"], cfg.verifier.dtype)
+    args["model"] = verifiers.verifier_dir_on_this_node(cfg.verifier.path, args["model"], cfg.verifier.dtype)
     spec, copied = args.get("speculative_config"), None
     if spec is not None and "://" in spec["model"]:
         spec["model"] = copied = _local_drafter(spec["model"])
@@ -140,11 +141,19 @@ def load_prompts(cfg: Config) -> list[dict[str, Any]]:
 
 
 def _read_rows(uri: str) -> list[dict[str, Any]]:
+    """Rows of `evaluate.prompts`. `builtin:mtbench|humaneval|tiny_prompts|sharegpt` come from the reader the ingest
+    stage uses (ingest/sources.py): `{"id", "messages", "provenance": {package, version, file, row, record_id}}`,
+    MT-Bench's also `"category"` and `"turns"` (every user turn; `messages` holds the first)."""
+    if uri.startswith(sources.PREFIX):
+        read = sources.read_builtin(uri, split="eval")
+        if read.rejects:  # none in MT-Bench or HumanEval as shipped; said, never dropped silently
+            log(STAGE, "prompt_rejects", source=uri, num_rejects=len(read.rejects), first=read.rejects[0]["detail"])
+        return read.rows
     if uri.endswith(".parquet"):
         return storage.read_parquet(uri).to_pylist()
     if uri.endswith(".jsonl"):
         return [json.loads(line) for line in storage.read_bytes(uri).decode().splitlines() if line.strip()]
-    raise ValueError(f"evaluate.prompts={uri!r}: must be a .jsonl or .parquet file")
+    raise UserError(f"evaluate.prompts={uri!r}: must be a .jsonl or .parquet file or builtin:<name>")
 
 
 def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dict[str, Any]:
@@ -160,7 +169,7 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
         if p["id"] in train_ids or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")
     ]
     if overlap:
-        raise ValueError(
+        raise UserError(
             f"{len(overlap)} evaluation prompt(s) were in the training data ({uri}), e.g. ids "
             f"{overlap[:5]}: evaluate on held-out prompts"
         )
@@ -344,7 +353,7 @@ def _measure(
     ensure_ray(cfg.run)
     capture_where = storage.join(export_dir, "capture.json")
     capture = storage.read_json(capture_where)
-    verifier_dir = tiny_verifier.verifier_dir(cfg)
+    verifier_dir = verifiers.verifier_dir(cfg)
     drafter_dir = storage.join(export_dir, "speculators")  # each engine actor copies it to its own node
     contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
     token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)

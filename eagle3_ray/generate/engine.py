@@ -38,7 +38,7 @@ from typing import Any
 from eagle3_ray.core import storage, telemetry
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.core.layers import text_config
-from eagle3_ray.core.tiny_verifier import verifier_dir_on_this_node
+from eagle3_ray.core.verifiers import verifier_dir_on_this_node
 from eagle3_ray.generate import chat, commit
 from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, start_async_engine
 

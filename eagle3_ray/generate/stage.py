@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from eagle3_ray.core import shards, stage, storage, telemetry
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.raycluster import ensure_ray
-from eagle3_ray.core.tiny_verifier import verifier_dir
+from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate.chat import ChatEncoder, user_turns
 from eagle3_ray.generate.engine import EngineActor
 from eagle3_ray.generate.output import capture_contract, clean_orphans, committed_ids, finalise

@@ -2,6 +2,10 @@
 normalising one raw row into chat messages or a reject reason. Pure Python + pyarrow (no Ray): `ingest.py` runs
 these functions inside Ray Data tasks.
 
+Files: JSONL (one object a line), a JSON array (`[{...}, ...]`, read record by record), Parquet, CSV or a
+`datasets` folder. A JSON or JSONL file that was cut off (a download that stopped, a full disk) is read up to its
+last whole record; the cut-off tail becomes one reject `truncated_record` naming its byte offset.
+
 Row formats (the first known column a row has wins):
     messages       OpenAI: [{"role": "system"|"user"|"assistant", "content": str | [{"type": "text", "text": str}]}]
     conversations  ShareGPT: [{"from": "system"|"human"|"gpt", "value": str}] (role/content keys also accepted)
@@ -15,7 +19,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle3_ray.core import storage
+from eagle3_ray.core.config import UserError
 
 KNOWN_COLUMNS = ("messages", "conversations", "prompt", "instruction")
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
@@ -32,6 +37,8 @@ FILE_KINDS = {".jsonl": "jsonl", ".parquet": "parquet", ".json": "json", ".csv":
 DATASETS_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 PEEK_BYTES = 1 << 20
 UTF8_BOM = b"\xef\xbb\xbf"  # editors on Windows start UTF-8 files with it; json.loads rejects it
+MAX_TAIL_CHARS = 2000  # of a rejected tail kept as its raw text
+MAX_RECORD_CHARS = 64 << 20  # a JSON array "record" longer than this is taken as malformed, not as still arriving
 
 
 class Reject(Exception):
@@ -44,8 +51,8 @@ class Reject(Exception):
 
 @dataclass(frozen=True, slots=True)
 class InputFile:
-    """One readable unit behind an `ingest.inputs` entry. `kind`: jsonl | parquet | datasets (a table `datasets`
-    loads: a save_to_disk folder, CSV or a JSON array) | builtin."""
+    """One readable unit behind an `ingest.inputs` entry. `kind`: jsonl | json_array | parquet | datasets (a table
+    `datasets` loads: a save_to_disk folder or CSV) | builtin (ingest/sources.py)."""
 
     uri: str
     kind: str
@@ -62,9 +69,9 @@ def expand_input(uri: str, where: str) -> list[InputFile]:
     try:
         info = fs.get_file_info(path)
     except OSError as e:
-        raise ValueError(f"{where}: cannot read {uri}: {e}") from e
+        raise UserError(f"{where}: cannot read {uri}: {e}") from e
     if info.type == pafs.FileType.NotFound:
-        raise ValueError(f"{where}: input {uri} does not exist")
+        raise UserError(f"{where}: input {uri} does not exist")
     if info.type == pafs.FileType.Directory:
         names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(path))}
         if names & set(DATASETS_MARKERS):
@@ -77,35 +84,35 @@ def expand_input(uri: str, where: str) -> list[InputFile]:
             if os.path.splitext(rel)[1] in FILE_KINDS
         ]
         if not files:
-            raise ValueError(
+            raise UserError(
                 f"{where}: folder {uri} holds no {', '.join(FILE_KINDS)} files and is not a datasets folder"
             )
         return files
     ext = os.path.splitext(path)[1]
     if ext not in FILE_KINDS:
-        raise ValueError(f"{where}: {uri} has an unsupported extension {ext!r} (supported: {', '.join(FILE_KINDS)})")
+        raise UserError(f"{where}: {uri} has an unsupported extension {ext!r} (supported: {', '.join(FILE_KINDS)})")
     return [_input_file(uri, info, fs, where)]
 
 
 def _input_file(uri: str, info: pafs.FileInfo, fs: pafs.FileSystem, where: str) -> InputFile:
     """One file of an input, named directly or found in a folder (the same file reads the same either way)."""
     if info.size == 0:
-        raise ValueError(f"{where}: {uri} is empty (0 bytes)")
+        raise UserError(f"{where}: {uri} is empty (0 bytes)")
     return InputFile(uri, _file_kind(info.path, fs))
 
 
 def _file_kind(path: str, fs: pafs.FileSystem) -> str:
     kind = FILE_KINDS[os.path.splitext(path)[1]]
     if kind == "json":
-        # `.json` holds either one object per line or one JSON array; `datasets` reads the array form.
+        # `.json` holds either one object per line or one JSON array
         with fs.open_input_stream(path) as f:
             head = f.read(4096).removeprefix(UTF8_BOM).lstrip()
-        return "datasets" if head.startswith(b"[") else "jsonl"
+        return "json_array" if head.startswith(b"[") else "jsonl"
     return {"csv": "datasets"}.get(kind, kind)
 
 
 def column_names(item: InputFile) -> list[str]:
-    """Column names of an input, from its schema or (JSONL) the keys of the rows in its first MiB."""
+    """Column names of an input, from its schema or (JSON, JSONL) the keys of the records in its first MiB."""
     if item.kind == "builtin":
         return ["messages"]
     if item.kind == "parquet":
@@ -117,12 +124,17 @@ def column_names(item: InputFile) -> list[str]:
     with fs.open_input_stream(path) as f:
         head = f.read(PEEK_BYTES).removeprefix(UTF8_BOM)
     keys: set[str] = set()
-    for line in head.splitlines()[:1000]:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        keys.update(row if isinstance(row, dict) else ())
+    if item.kind == "json_array":
+        records = [r for _, r, error in json_array_records([_decode(head)], max_rows=1000) if error is None]
+    else:
+        records = []
+        for line in head.splitlines()[:1000]:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    for record in records:
+        keys.update(record if isinstance(record, dict) else ())
     return sorted(keys)
 
 
@@ -131,23 +143,22 @@ def check_known_columns(item: InputFile, where: str) -> None:
         names = column_names(item)
     except (OSError, pa.ArrowInvalid) as e:
         # `from None`: the message says all there is; a chained pyarrow traceback would only bury it
-        raise ValueError(f"{where}: cannot read {item.uri}: {e}") from None
+        raise UserError(f"{where}: cannot read {item.uri}: {e}") from None
+    if not names and item.kind in ("jsonl", "json_array"):
+        raise UserError(f"{where}: {item.uri} holds no whole JSON record in its first MiB (cut off, or not JSON?)")
     if not set(names) & set(KNOWN_COLUMNS):
-        raise ValueError(
-            f"{where}: {item.uri} has none of the known columns {list(KNOWN_COLUMNS)} (found {names[:20]})"
-        )
+        raise UserError(f"{where}: {item.uri} has none of the known columns {list(KNOWN_COLUMNS)} (found {names[:20]})")
 
 
 def load_datasets_table(uri: str) -> pa.Table:
-    """A `datasets` folder or file as one Arrow table (all splits of a DatasetDict, in split-name order)."""
+    """A `datasets` folder or a CSV file as one Arrow table (all splits of a DatasetDict, in split-name order)."""
     import datasets
 
     local = uri[len("file://") :] if uri.startswith("file://") else uri
     if os.path.isdir(local):
         loaded = datasets.load_from_disk(local)
     else:
-        builder = {".csv": "csv", ".json": "json"}[os.path.splitext(local)[1]]
-        loaded = datasets.load_dataset(builder, data_files=local, split="train")
+        loaded = datasets.load_dataset("csv", data_files=local, split="train")
     parts = [loaded[k] for k in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
     return pa.concat_tables([p.flatten_indices().data.table for p in parts])
 
@@ -156,8 +167,11 @@ def load_datasets_table(uri: str) -> pa.Table:
 
 
 def jsonl_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
-    """One raw row per non-blank line; the row index is the 0-based line number. A leading UTF-8 BOM is dropped."""
-    for index, line in enumerate(data.removeprefix(UTF8_BOM).split(b"\n")):
+    """One raw row per non-blank line; the row index is the 0-based line number. A leading UTF-8 BOM is dropped.
+    A last line without its newline that does not parse is the cut-off tail of the file: `truncated_record`."""
+    offset = len(data) - len(data := data.removeprefix(UTF8_BOM))
+    for index, line in enumerate(data.split(b"\n")):
+        start, offset = offset, offset + len(line) + 1
         if max_rows is not None and index >= max_rows:
             return
         if not line.strip():
@@ -169,9 +183,95 @@ def jsonl_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | N
             yield index, raw, f"invalid_utf8:{e.reason} at byte {e.start}"
             continue
         except ValueError as e:
-            yield index, json.dumps(line.decode("utf-8")), f"invalid_json:{e}"
+            raw = json.dumps(line.decode("utf-8")[:MAX_TAIL_CHARS])
+            if offset > len(data):  # the last line, with no newline after it
+                yield (
+                    index,
+                    raw,
+                    f"truncated_record:truncated record at byte {start}: the file ends inside line {index}",
+                )
+            else:
+                yield index, raw, f"invalid_json:{e}"
             continue
         yield index, dumps_row(row), None if isinstance(row, dict) else "not_an_object:a row must be a JSON object"
+
+
+def json_array_rows(data: bytes, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:
+    """One raw row per record of a JSON array file; the row index is the record's 0-based position."""
+    for index, record, error in json_array_records([_decode(data)], max_rows=max_rows):
+        if error is not None:
+            yield index, json.dumps(record), error
+        else:
+            yield (
+                index,
+                dumps_row(record),
+                None if isinstance(record, dict) else "not_an_object:a record must be a JSON object",
+            )
+
+
+def json_array_records(chunks: Iterable[str], *, max_rows: int | None = None) -> Iterator[tuple[int, Any, str | None]]:
+    """The records of one JSON array `[r0, r1, ...]` whose text arrives in `chunks`, decoded one at a time with
+    `json.JSONDecoder().raw_decode`, so a 125 MB file is never held whole: `(index, record, None)` per whole record.
+    A file cut off inside a record ends with `(index, tail text, "truncated_record:truncated record at byte N: ...")`;
+    one that breaks inside the array ends the same way with `invalid_json` (no record after a syntax error can be
+    found reliably). A file that stops after a whole record without the closing `]` loses nothing and ends quietly.
+    Byte offsets count UTF-8 bytes from the start of the text (decoded with errors="surrogateescape", it round-trips).
+    """
+    decoder, pending = json.JSONDecoder(), iter(chunks)
+    buf, pos, consumed_bytes, index, expect = "", 0, 0, 0, "["
+
+    def read_more() -> bool:
+        nonlocal buf, pos, consumed_bytes
+        chunk = next(pending, None)
+        if chunk is None:
+            return False
+        consumed_bytes += len(buf[:pos].encode("utf-8", "surrogateescape"))
+        buf, pos = buf[pos:] + chunk, 0
+        return True
+
+    def at_byte() -> int:
+        return consumed_bytes + len(buf[:pos].encode("utf-8", "surrogateescape"))
+
+    while max_rows is None or index < max_rows:
+        while True:  # skip whitespace (and a BOM), reading on where the text runs out
+            while pos < len(buf) and buf[pos] in " \t\r\n\ufeff":
+                pos += 1
+            if pos < len(buf) or not read_more():
+                break
+        if pos == len(buf):
+            return  # the text stops between records: nothing is lost
+        char = buf[pos]
+        if char == "]" and expect in ("first", ","):
+            return
+        if expect in ("[", ","):
+            if char != expect:
+                tail = buf[pos : pos + MAX_TAIL_CHARS]
+                yield index, tail, f"invalid_json:expected {expect!r} at byte {at_byte()}, found {char!r}"
+                return
+            pos, expect = pos + 1, "first" if expect == "[" else "record"
+            continue
+        while True:
+            try:
+                record, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if len(buf) - pos < MAX_RECORD_CHARS and read_more():
+                    continue
+                closed = buf.rstrip().endswith("]")
+                if closed or len(buf) - pos >= MAX_RECORD_CHARS:
+                    detail = f"invalid JSON in record {index} at byte {at_byte()}: {e.msg}; no record after it is read"
+                    yield index, buf[pos : pos + MAX_TAIL_CHARS], f"invalid_json:{detail}"
+                else:
+                    detail = f"truncated record at byte {at_byte()}: the file ends inside record {index}"
+                    yield index, buf[pos : pos + MAX_TAIL_CHARS], f"truncated_record:{detail}"
+                return
+            if end < len(buf) or not read_more():  # a record ending exactly at a chunk's end may go on (a number)
+                break
+        yield index, record, None
+        index, pos, expect = index + 1, end, ","
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", "surrogateescape")
 
 
 def table_rows(table: pa.Table, max_rows: int | None) -> Iterator[tuple[int, str | None, str | None]]:

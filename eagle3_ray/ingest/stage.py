@@ -20,12 +20,12 @@ import pyarrow.compute as pc
 import ray
 
 from eagle3_ray.core import stage, storage
-from eagle3_ray.core.config import Config, versioned
+from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.raycluster import ensure_ray
 from eagle3_ray.core.telemetry import RateMeter, log, metrics
-from eagle3_ray.core.tiny_verifier import verifier_dir, verifier_dir_on_this_node
-from eagle3_ray.ingest import formats
+from eagle3_ray.core.verifiers import verifier_dir, verifier_dir_on_this_node
+from eagle3_ray.ingest import formats, sources
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 # Raw rows: where a row came from (file_order, row: the sort key of "source order") and the row as ASCII JSON.
@@ -94,15 +94,18 @@ def _ingest(cfg: Config, inputs: list[list[formats.InputFile]], verifier_path: s
     meter = RateMeter()
     ok, rejects = _collect(_pipeline(inputs, cfg, verifier_path), cfg, meter)
     conversations, num_duplicates = _dedupe(ok)
-    summary = _summary(conversations, rejects, num_duplicates, meter)
+    builtins = {uri: sources.describe(uri) for uri in cfg.ingest.inputs if uri.startswith(sources.PREFIX)}
+    summary = _summary(
+        conversations, rejects, num_duplicates, meter, **({"builtin_inputs": builtins} if builtins else {})
+    )
     _count_rows(cfg.run.name, {"duplicate": num_duplicates})
     _write(out_dir, conversations, rejects)
     return summary
 
 
 def _expand(uri: str, where: str) -> list[formats.InputFile]:
-    if uri.startswith(formats.BUILTIN_PREFIX) and uri != "builtin:tiny_prompts":
-        raise ValueError(f"{where}: unknown builtin input {uri!r} (known: builtin:tiny_prompts)")
+    if uri.startswith(formats.BUILTIN_PREFIX):
+        sources.check_name(uri, where)
     return formats.expand_input(uri, where)
 
 
@@ -123,12 +126,14 @@ def _check_tokenizer(verifier_path: str, trust_remote_code: bool) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_path, trust_remote_code=trust_remote_code)
     if not tokenizer.chat_template:
-        raise ValueError(f"verifier.path: the tokenizer of {verifier_path} has no chat template")
+        raise UserError(f"verifier.path: the tokenizer of {verifier_path} has no chat template")
 
 
 def _fingerprint(item: formats.InputFile) -> str:
-    if item.kind == "builtin":
+    if item.uri == "builtin:tiny_prompts":
         return storage.version_hash(tiny_prompts())
+    if item.kind == "builtin":  # a pinned package's file: its name, version and size
+        return storage.version_hash(sources.describe(item.uri))
     return storage.fingerprint_inputs([item.uri])
 
 
@@ -165,8 +170,7 @@ def _read(files: list[formats.InputFile], first_order: int, max_rows: int | None
     reads = []
     for order, item in enumerate(files, start=first_order):
         if item.kind == "builtin":
-            rows = [(i, formats.dumps_row(r), None) for i, r in enumerate(tiny_prompts()[:max_rows])]
-            reads.append(ray.data.from_arrow(_raw_table(rows, item.uri, order)))
+            reads.append(ray.data.from_arrow(_raw_table(_builtin_rows(item.uri, max_rows), item.uri, order)))
         elif item.kind == "datasets":
             table = formats.load_datasets_table(item.uri)
             table = table.slice(0, max_rows) if max_rows is not None else table
@@ -176,7 +180,7 @@ def _read(files: list[formats.InputFile], first_order: int, max_rows: int | None
                     _table_batch_to_raw, batch_format="pyarrow", fn_kwargs={"uri": item.uri, "file_order": order}
                 )
             )
-    for kind in ("jsonl", "parquet"):
+    for kind in ("jsonl", "json_array", "parquet"):
         chosen = {
             storage.resolve(f.uri)[1]: (order, f.uri)
             for order, f in enumerate(files, start=first_order)
@@ -199,8 +203,17 @@ def _file_to_raw(batch: pa.Table, *, kind: str, files: dict[str, tuple[int, str]
     assert batch.num_rows == 1, "one file per batch"
     file_order, uri = files[batch["path"][0].as_py()]
     data = batch["bytes"][0].as_py()
-    rows = formats.jsonl_rows(data, max_rows) if kind == "jsonl" else formats.parquet_rows(data, max_rows)
-    return _raw_table(list(rows), uri, file_order)
+    read_rows = {"jsonl": formats.jsonl_rows, "json_array": formats.json_array_rows, "parquet": formats.parquet_rows}
+    return _raw_table(list(read_rows[kind](data, max_rows)), uri, file_order)
+
+
+def _builtin_rows(uri: str, max_rows: int | None) -> list[tuple[int, str | None, str | None]]:
+    """Raw rows of a builtin source, read on the driver (sources.py streams the large files): every record, whole
+    conversations as their `messages` and rejects with their reason, in file order. The Normaliser cuts turns."""
+    read = sources.read_builtin(uri, turns="all", max_rows=max_rows)
+    rows = [(r["provenance"]["row"], formats.dumps_row({"messages": r["messages"]}), None) for r in read.rows]
+    rows += [(r["provenance"]["row"], r["raw"], f"{r['reason']}:{r['detail']}") for r in read.rejects]
+    return sorted(rows)
 
 
 def _table_batch_to_raw(batch: pa.Table, *, uri: str, file_order: int) -> pa.Table:
@@ -312,7 +325,7 @@ def _collect(ds: ray.data.Dataset, cfg: Config, meter: RateMeter) -> tuple[pa.Ta
         rejects = batch.filter(rejected)
         if cfg.ingest.strict and rejects.num_rows:
             first = rejects.sort_by([("file_order", "ascending"), ("row", "ascending")]).slice(0, 1).to_pylist()[0]
-            raise ValueError(f"ingest.strict: row {first['source']} rejected: {first['reason']} ({first['detail']})")
+            raise UserError(f"ingest.strict: row {first['source']} rejected: {first['reason']} ({first['detail']})")
         ok_parts.append(batch.filter(pc.invert(rejected)))
         reject_parts.append(rejects)
         num_rows += batch.num_rows

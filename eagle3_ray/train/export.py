@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from eagle3_ray.core import contract, stage, storage, tiny_verifier
+from eagle3_ray.core import contract, stage, storage, verifiers
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.telemetry import log
 
@@ -153,7 +153,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def _export(cfg: Config, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
-    verifier_dir = tiny_verifier.verifier_dir(cfg)
+    verifier_dir = verifiers.verifier_dir(cfg)
     log(STAGE, "checkpoint", which=cfg.export.checkpoint, path=entry["path"])
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
         ckpt = _download(entry["path"], CHECKPOINT_FILES, Path(tmp) / "checkpoint")

@@ -30,7 +30,7 @@ from ray.train import DataConfig
 from eagle3_ray.core import stage, storage
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.telemetry import log
-from eagle3_ray.core.tiny_verifier import verifier_dir
+from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate import chat
 from eagle3_ray.generate.output import capture_contract
 from eagle3_ray.generate.stage import chat_encoder, engine_pool_args, plan_units, sample_cost, with_prefill_ids

@@ -33,7 +33,7 @@ from transformers import get_cosine_schedule_with_warmup
 from eagle3_ray.core import storage
 from eagle3_ray.core.config import Config, TrainConfig, config_from_dict
 from eagle3_ray.core.telemetry import JsonlWriter, log, metrics
-from eagle3_ray.core.tiny_verifier import verifier_dir_on_this_node
+from eagle3_ray.core.verifiers import verifier_dir_on_this_node
 from eagle3_ray.train import acceptance, checkpoints, data, vocab
 
 

@@ -91,7 +91,7 @@ def test_a_node_without_the_tiny_verifier_builds_the_same_one_where_the_driver_h
     import hashlib
     import shutil
 
-    from eagle3_ray.core.tiny_verifier import verifier_dir_on_this_node
+    from eagle3_ray.core.verifiers import verifier_dir_on_this_node
 
     driver_side = build_tiny_verifier("llama", tmp_path / "verifier-tiny-llama-bfloat16")
     digest = hashlib.sha256((driver_side / "model.safetensors").read_bytes()).hexdigest()

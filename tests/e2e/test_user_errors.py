@@ -1,0 +1,55 @@
+"""User errors through the real entry points and through Ray: one line `error: <message>`, exit status 2, no
+traceback, nothing written into the run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle3_ray.core import cli
+from eagle3_ray.core.config import UserError
+from tests.support import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def test_ingest_on_an_empty_file_prints_one_line_and_exits_2(tmp_path, _isolated_env):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    runs = tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, "ray_jobs/ingest.py", "ray_jobs/configs/tiny_cpu.yaml", f"ingest.inputs=[{empty}]"]
+        + [f"run.storage_path={runs}"],
+        cwd=REPO,
+        env={**os.environ, **_isolated_env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: ingest.inputs[0]: {empty} is empty (0 bytes)\n"
+    assert not runs.exists()
+
+
+def test_a_user_error_raised_in_a_ray_task_or_actor_is_found_behind_rays_wrapper(ray_session):
+    # (Ray Data's map errors reach the driver as text only, so stages check their input in the driver first.)
+    ray = ray_session
+
+    @ray.remote
+    def task():
+        raise UserError("bad row in a task")
+
+    @ray.remote
+    class Engine:
+        def load(self):
+            raise UserError("model file will not load")
+
+    with pytest.raises(Exception) as in_task:
+        ray.get(task.remote())
+    with pytest.raises(Exception) as in_actor:
+        ray.get(Engine.remote().load.remote())
+    assert str(cli.find_user_error(in_task.value)) == "bad row in a task"
+    assert str(cli.find_user_error(in_actor.value)) == "model file will not load"
