@@ -46,10 +46,15 @@ def target_ids(
     on: x[t+2], the verifier's own output when `generate.temperature` is 0) and the draft-vocab argmax maps
     (d2t) to another token, the verifier's choice is outside the draft vocab: no draft matches it (-1)."""
     restricted = model.verifier_lm_head(model.verifier_norm(verifier_last_hidden_states)).argmax(dim=-1)
-    as_target = restricted + model.d2t[restricted]  # draft id -> target id (d2t holds offsets)
+    as_target = draft_to_target(model, restricted)
     next_tokens = torch.full_like(input_ids, -1)
     next_tokens[:, :-1] = input_ids[:, 1:].masked_fill(document_ids[:, 1:] != document_ids[:, :-1], -1)
     return restricted.masked_fill((next_tokens >= 0) & (as_target != next_tokens), -1)
+
+
+def draft_to_target(model, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab ids as verifier ids (d2t holds offsets); a drafter over the whole verifier vocabulary has no d2t."""
+    return draft_ids if model.d2t is None else draft_ids + model.d2t[draft_ids]
 
 
 def step_matches(
@@ -126,4 +131,69 @@ def summarize(sums: dict[str, float], ks: list[int], prefix: str = "val_") -> di
         for j in range(k):
             out[f"{prefix}replay_acc_k{k}_{j}"] = sums[f"replay_k{k}_accepted_{j}"] / drafts
     out[f"{prefix}replay_acceptance_length"] = out[f"{prefix}replay_acceptance_length_k{max(ks)}"]
+    return out
+
+
+DIAG_SHIFTS = (-1, 0, 1, 2)
+
+
+def _shift_name(s: int) -> str:
+    return f"m{-s}" if s < 0 else str(s)
+
+
+def target_diagnostics(
+    model,
+    draft_tokens: list[torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    ks: list[int],
+) -> dict[str, float]:
+    """Summable counts that tell, from one validation run, why the replay and the teacher-forced accuracy disagree;
+    call it under the forward's autocast, like `target_ids`. `target_ids` keeps a target only where the verifier's
+    choice (restricted argmax, mapped by d2t) is the row's next token; everything here probes that assumption
+    (positions t: loss-masked, inside a document):
+
+    - `diag_agree_{s}` / `diag_positions_{s}`: the choice at t equals the row's token at t + 1 + s (same document).
+      s = 0 is the replay's assumption (about 0.97+ on greedy data); a peak at s != 0 means hidden-state rows and
+      token ids are offset by s; low everywhere means the rows are not the verifier's greedy output or the head /
+      norm here is not the one that generated them.
+    - `diag_outside_vocab`: the row's next token is outside the draft vocabulary (t2d), over `diag_positions_0`.
+    - `diag_fp32_agree`: the restricted argmax under the autocast equals the float32 one, over `diag_positions_0`.
+    - `diag_nomask_replay_k{k}_*`: the replay against the restricted argmax with no next-token check (what
+      speculators' acc_k scores against); `diagnostics_summary` turns it into an acceptance length."""
+    hidden, input_ids = batch["verifier_last_hidden_states"], batch["input_ids"]
+    mask, docs = batch["loss_mask"].reshape(-1).bool(), batch["document_ids"].reshape(-1)
+    restricted = model.verifier_lm_head(model.verifier_norm(hidden)).argmax(dim=-1)
+    with torch.autocast(hidden.device.type, enabled=False):
+        restricted32 = model.verifier_lm_head(model.verifier_norm(hidden.float())).argmax(dim=-1)
+    as_target = draft_to_target(model, restricted).reshape(-1)
+    ids, total = input_ids.reshape(-1), input_ids.numel()
+    out: dict[str, float] = {}
+    for s in DIAG_SHIFTS:
+        lo, hi = max(0, -(1 + s)), total - max(0, 1 + s)  # t with t + 1 + s inside the row
+        t = torch.arange(lo, hi, device=ids.device)
+        ok = mask[t] & (docs[t] >= 0) & (docs[t + 1 + s] == docs[t])
+        out[f"diag_positions_{_shift_name(s)}"] = float(ok.sum())
+        out[f"diag_agree_{_shift_name(s)}"] = float((ok & (as_target[t] == ids[t + 1 + s])).sum())
+    t = torch.arange(0, total - 1, device=ids.device)
+    ok = mask[t] & (docs[t] >= 0) & (docs[t + 1] == docs[t])
+    outside = torch.zeros_like(ok) if model.t2d is None else ~model.t2d.bool()[ids[t + 1]]
+    out["diag_outside_vocab"] = float((ok & outside).sum())
+    out["diag_fp32_agree"] = float((ok & (restricted.reshape(-1)[t] == restricted32.reshape(-1)[t])).sum())
+    nomask = replay_counts(draft_tokens, restricted, batch["loss_mask"], batch["document_ids"], ks)
+    out.update({f"diag_nomask_{k}": v for k, v in nomask.items()})
+    return out
+
+
+def diagnostics_summary(sums: dict[str, float], ks: list[int], prefix: str = "val_") -> dict[str, float]:
+    """Summed `target_diagnostics` counts -> shares and the unmasked replay's acceptance length per k."""
+    positions = max(sums["diag_positions_0"], 1.0)
+    out = {
+        f"{prefix}diag_agree_{_shift_name(s)}": sums[f"diag_agree_{_shift_name(s)}"]
+        / max(sums[f"diag_positions_{_shift_name(s)}"], 1.0)
+        for s in DIAG_SHIFTS
+    }
+    out[f"{prefix}diag_outside_vocab"] = sums["diag_outside_vocab"] / positions
+    out[f"{prefix}diag_fp32_agree"] = sums["diag_fp32_agree"] / positions
+    nomask = summarize({k[len("diag_nomask_") :]: v for k, v in sums.items() if k.startswith("diag_nomask_")}, ks, "")
+    out.update({f"{prefix}diag_nomask_{k}": v for k, v in nomask.items() if k.startswith("replay_acc")})
     return out
