@@ -36,13 +36,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core.config import config_from_dict  # noqa: E402
+from eagle3_ray.core.config import config_from_dict, load_config  # noqa: E402
 
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
 
 
 def make_cfg(args, work: str, mode: str, out_len: int):
+    if args.recipe:  # the recipe's verifier and generate sections as a user runs them; the row sets mode and length
+        d = load_config(args.recipe, args.set).to_dict()
+        d["run"] = {**d["run"], "storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus}
+        d["verifier"]["path"] = args.model
+        d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
+        return config_from_dict(d)
     gpu = not args.tiny
     return config_from_dict(
         {
@@ -261,16 +267,15 @@ def capture_only_ids(args, out_len: int) -> list[list[int]]:
 
 def write_ingest(cfg, args, mode: str, out_len: int) -> None:
     """ingest/{version}/conversations.parquet for the stage (what the ingest stage writes for these prompts)."""
-    import hashlib
-
     import pyarrow as pa
 
     from eagle3_ray.core import stage, storage
+    from eagle3_ray.ingest.formats import conversation_id
 
     convs, ids = capture_only_convs(args, out_len) if mode == "capture_only" else prompt_ids(args)
     rows = [
         {
-            "id": hashlib.sha256(json.dumps(c).encode()).hexdigest()[:16],
+            "id": conversation_id(c),
             "messages": c,
             "source": f"bench:{i}",
             "num_turns": 1,
@@ -402,6 +407,12 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="verifier directory (bench/gpu/make_verifier.py)")
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal: build the tiny verifier, few prompts")
+    p.add_argument(
+        "--recipe",
+        help="a YAML recipe: every row runs its verifier and generate sections unchanged (the row sets mode and output "
+        "length), so the stage rows measure what the recipe gets; the bench's own generate options are then unused",
+    )
+    p.add_argument("--set", action="append", default=[], help="section.field=value override of --recipe (repeatable)")
     p.add_argument("--out-lens", default=None, help="comma-separated output lengths (default 256,2048; tiny 32,128)")
     p.add_argument("--num-prompts", type=int, default=None, help="default 200 (tiny: 24)")
     p.add_argument("--modes", default="plain,capture,prefill,stage_generate,stage_two_pass,stage_capture_only")

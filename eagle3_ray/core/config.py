@@ -155,8 +155,10 @@ class GenerateConfig:
     """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
     planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
-    max_zero_row_share: float = 0.5
-    """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample."""
+    max_zero_row_share: float = 0.0
+    """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
+    sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:
+    rows the engine never wrote (a capture fault). Loosen it only for a verifier that really yields zero rows."""
     max_nonfinite_values: int = 0
     """Fail the unit when a captured layer of one sample holds more NaN/inf values than this."""
     num_replicas: int = field(default=1, metadata=NOT_IN_VERSION)
@@ -290,9 +292,6 @@ class TrainConfig:
     num_loader_workers: int | None = field(default=None, metadata=NOT_IN_VERSION)
     """DataLoader worker processes per train worker that read and decode shards while the model trains (0: inline).
     None: 1 on CPU; on GPU the CPUs the worker's process may use, shared among the node's GPUs, less one (1..8)."""
-    kill_worker_at: list[int] | None = field(default=None, metadata=NOT_IN_VERSION)
-    """Fault-injection hook for recovery tests: `[epoch, step]` (0-based); rank 1 (rank 0 with one worker) SIGKILLs
-    itself once there; a marker file in the train dir keeps it from firing again. Not part of the version."""
     source: Literal["offline", "online"] = "offline"
     """Where training samples come from. `offline`: the generate stage's shards on storage. `online`: the capture
     pipeline itself (eagle3_ray/train/online.py): the generate section's engine actors stream captured samples straight
@@ -352,12 +351,6 @@ class TrainConfig:
             "must be >= 1 or null",
         )
         _check(self.online_buffer_bytes >= 1 << 20, "train.online_buffer_bytes", "must be >= 1 MiB")
-        if self.kill_worker_at is not None:
-            _check(
-                len(self.kill_worker_at) == 2 and min(self.kill_worker_at) >= 0,
-                "train.kill_worker_at",
-                f"must be [epoch, step] with both >= 0, got {self.kill_worker_at!r}",
-            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -76,6 +76,12 @@ def engine_kwargs(
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
         }
+        # Synchronous scheduling. With async scheduling (vLLM's default on GPU for EAGLE-type methods; the CPU build
+        # forces it off) extract_hidden_states' proposer (prepare_next_token_ids_padded, vLLM 0.24 to 0.32) counts
+        # one valid token where the rejection sampler accepted two: the scheduler's sequence gains a duplicated token
+        # at every accepted draft, the worker falls one position behind, and the connector then saves rows that
+        # belong to other tokens, the last ones never written (all-zero rows at the tail of one-pass samples).
+        kwargs["async_scheduling"] = False
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,

@@ -265,7 +265,7 @@ class Normaliser:
     def __call__(self, batch: pa.Table) -> pa.Table:
         out = [self._normalise(row) for row in batch.to_pylist()]
         kept = [r for r in out if r["reason"] is None]
-        for r, num_tokens in zip(kept, self._prompt_lengths([r["messages"] for r in kept]), strict=True):
+        for r, num_tokens in zip(kept, prompt_lengths(self.tokenizer, [r["messages"] for r in kept]), strict=True):
             r["num_prompt_tokens"] = num_tokens
             if num_tokens > self.max_prompt_tokens:
                 r.update(
@@ -293,13 +293,14 @@ class Normaliser:
         num_turns = sum(m["role"] == "user" for m in messages)
         return {**base, "id": formats.conversation_id(messages), "messages": messages, "num_turns": num_turns}
 
-    def _prompt_lengths(self, conversations: list[list[dict[str, str]]]) -> list[int]:
-        if not conversations:
-            return []
-        # The prompt is everything before the first assistant turn: [system?, user].
-        prompts = [m[: next(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in conversations]
-        texts = self.tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
-        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+def prompt_lengths(tokenizer: Any, conversations: list[list[dict[str, str]]]) -> list[int]:
+    """Prompt tokens of each conversation's first turn through the chat template: [system?, first user]."""
+    if not conversations:
+        return []
+    prompts = [m[: next(i for i, x in enumerate(m) if x["role"] == "user") + 1] for m in conversations]
+    texts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
+    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _readable(raw: str | None) -> str | None:

@@ -224,7 +224,7 @@ class ShardDataset(Dataset):
         dtype: torch.dtype = torch.float32,
         on_bad_sample: str = "fail",
         layer_ids: list[int] | None = None,
-        max_zero_row_share: float = 0.5,
+        max_zero_row_share: float = 0.0,
         max_nonfinite_values: int = 0,
     ):
         """`layer_ids` (capture.json's) name layers in errors; the bounds are the generate stage's capture checks

@@ -101,6 +101,20 @@ class WorkerArgs:
     val_refs: list[data.SampleRef] = field(default_factory=list)  # offline: the samples to validate on
     steps_per_epoch: int | None = None  # online: estimated steps (None: the offline loader's length)
     cache_dir: str | None = None  # online with train.online_cache: where the first epoch's shards go
+    kill_at: tuple[int, int] | None = field(default_factory=lambda: fault_injection_point())  # recovery tests only
+
+
+# Recovery tests set this in the driver's environment ("epoch,step", 0-based): one train worker SIGKILLs itself there.
+FAULT_INJECTION_ENV = "EAGLE3_RAY_TEST_KILL_WORKER_AT"
+
+
+def fault_injection_point() -> tuple[int, int] | None:
+    """The driver's test-only fault injection point (FAULT_INJECTION_ENV), read when WorkerArgs are built."""
+    value = os.environ.get(FAULT_INJECTION_ENV)
+    if not value:
+        return None
+    epoch, step = (int(x) for x in value.split(","))
+    return epoch, step
 
 
 def train_dtype(device: torch.device) -> torch.dtype:
@@ -449,9 +463,10 @@ def to_device(batch: dict, device: torch.device, dtype: torch.dtype | None = Non
     return data.decode(tensors, dtype or train_dtype(device))
 
 
-def _maybe_kill(cfg: Config, out_dir: str, epoch: int, step: int, rank: int, world: int) -> None:
-    """Test hook: a real SIGKILL of this worker process, once per run (the marker survives the restart)."""
-    if cfg.train.kill_worker_at != [epoch, step] or rank != min(1, world - 1):
+def _maybe_kill(kill_at: tuple[int, int] | None, out_dir: str, epoch: int, step: int, rank: int, world: int) -> None:
+    """Test hook (FAULT_INJECTION_ENV): a real SIGKILL of rank 1 (rank 0 with one worker) at [epoch, step], once per
+    run (the marker in the train dir survives the restart)."""
+    if kill_at != (epoch, step) or rank != min(1, world - 1):
         return
     marker = storage.join(out_dir, "_fault_injected")
     if storage.exists(marker):
@@ -569,7 +584,7 @@ class Loop:
         t_window = t_fetch = time.perf_counter()
         for i, batch in enumerate(self.train_loader):
             wait_s = time.perf_counter() - t_fetch
-            _maybe_kill(self.cfg, self.out_dir, epoch, i, self.rank, self.world)
+            _maybe_kill(self.args.kill_at, self.out_dir, epoch, i, self.rank, self.world)
             lrs = current_lrs(self.optimizers)
             step_metrics = self.train_step(batch)
             self.step += 1
@@ -608,12 +623,14 @@ class Loop:
                 targets = acceptance.target_ids(
                     self.raw, tensors["verifier_last_hidden_states"], tensors["input_ids"], tensors["document_ids"]
                 )
+                diag = acceptance.target_diagnostics(self.raw, draft, tensors, ks)  # why replay != acc_k, if it is
             replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks)
-            sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay)
+            sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay, **diag)
         reduced = sums.reduce()
         return {
             **summarize(reduced, self.cfg.train.ttt_steps, "val_"),
             **acceptance.summarize(reduced, ks),
+            **acceptance.diagnostics_summary(reduced, ks),
             "val_bad_samples": reduced["bad_samples"],
         }
 

@@ -11,6 +11,7 @@ import pytest
 
 from eagle3_ray.core import storage
 from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.train.worker import FAULT_INJECTION_ENV
 from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -66,9 +67,10 @@ def safetensors_outside_checkpoints(run_dir: str) -> list[Path]:
 
 
 def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_after_a_worker_kill(
-    tmp_path, tiny_llama, ray_session
+    tmp_path, tiny_llama, ray_session, monkeypatch
 ):
-    cfg = make_cfg(tmp_path, tiny_llama, "online", kill_worker_at=[1, 1])
+    cfg = make_cfg(tmp_path, tiny_llama, "online")
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1,1")
     summary = run_online(cfg, tiny_llama)
 
     records = metric_records(summary)

@@ -14,6 +14,7 @@ from eagle3_ray.core import storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.train import checkpoints
 from eagle3_ray.train import stage as train
+from eagle3_ray.train.worker import FAULT_INJECTION_ENV
 from tests.support.generate_output import point_generate_at, shared_generate_output
 
 pytestmark = pytest.mark.e2e
@@ -118,9 +119,12 @@ def test_finished_run_rerun_is_a_no_op(reference, capsys):
     assert "already_done" in capsys.readouterr().out
 
 
-def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(reference, gen_dir, tmp_path):
+def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(
+    reference, gen_dir, tmp_path, monkeypatch
+):
     _ref_cfg, ref_summary, ref_dir = reference
-    cfg = _cfg(tmp_path, "killed", kill_worker_at=[1, 2], max_failures=1)
+    cfg = _cfg(tmp_path, "killed", max_failures=1)
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1,2")
     point_generate_at(cfg, gen_dir)
     summary = train.run(cfg)
     out_dir = storage.stage_dir(cfg.run.run_dir, "train", summary["version"])
@@ -133,12 +137,14 @@ def test_killed_worker_costs_at_most_that_epoch_and_matches_uninterrupted_run(re
     )
 
 
-def test_resubmitted_job_resumes_at_the_next_epoch(reference, gen_dir, tmp_path, capfd):
+def test_resubmitted_job_resumes_at_the_next_epoch(reference, gen_dir, tmp_path, capfd, monkeypatch):
     _ref_cfg, ref_summary, _ref_dir = reference
-    failing = _cfg(tmp_path, "resubmit", kill_worker_at=[1, 1], max_failures=0)
+    failing = _cfg(tmp_path, "resubmit", max_failures=0)
     point_generate_at(failing, gen_dir)
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1,1")
     with pytest.raises(Exception, match="(?i)worker|died|training failed"):
         train.run(failing)
+    monkeypatch.delenv(FAULT_INJECTION_ENV)
     summary = train.run(_cfg(tmp_path, "resubmit"))
     out_dir = storage.stage_dir(failing.run.run_dir, "train", summary["version"])
     assert [r["next_epoch"] for r in _records(out_dir, "resumed")] == [1]

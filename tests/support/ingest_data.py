@@ -1,13 +1,13 @@
-"""Ingest-format inputs for the generate tests, written directly (independent of the ingest stage)."""
+"""Ingest-stage output for the generate tests, written with the ingest stage's own schema, ids and prompt lengths
+(without running Ray Data)."""
 
 from __future__ import annotations
-
-import hashlib
-import json
 
 import pyarrow as pa
 
 from eagle3_ray.core import stage, storage
+from eagle3_ray.ingest.formats import conversation_id
+from eagle3_ray.ingest.stage import CONVERSATION_COLUMNS, NORMALISED_SCHEMA, prompt_lengths
 
 TOPICS = [
     "parse a csv file",
@@ -23,7 +23,6 @@ TOPICS = [
     "flatten a nested list",
     "cache a function result",
 ]
-MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
 def conversations(num_single: int = 24, num_multi: int = 4, long_words: int = 0) -> list[list[dict]]:
@@ -49,29 +48,18 @@ def conversations(num_single: int = 24, num_multi: int = 4, long_words: int = 0)
 
 
 def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> pa.Table:
-    """ingest/{version}/conversations.parquet as docs/stages.md specifies, at the version `cfg` determines."""
-    rows = []
-    for i, msgs in enumerate(convs):
-        first = next((j for j, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
-        text = tokenizer.apply_chat_template(msgs[:first], tokenize=False, add_generation_prompt=True)
-        rows.append(
-            {
-                "id": hashlib.sha256(json.dumps(msgs).encode()).hexdigest()[:16],
-                "messages": msgs,
-                "source": f"fixture.jsonl:{i}",
-                "num_turns": sum(m["role"] == "user" for m in msgs),
-                "num_prompt_tokens": len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-            }
-        )
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("messages", MESSAGES_TYPE),
-            ("source", pa.string()),
-            ("num_turns", pa.int32()),
-            ("num_prompt_tokens", pa.int32()),
-        ]
-    )
+    """ingest/{version}/conversations.parquet at the version `cfg` determines, as the ingest stage writes it."""
+    rows = [
+        {
+            "id": conversation_id(msgs),
+            "messages": msgs,
+            "source": f"fixture.jsonl:{i}",
+            "num_turns": sum(m["role"] == "user" for m in msgs),
+            "num_prompt_tokens": n,
+        }
+        for i, (msgs, n) in enumerate(zip(convs, prompt_lengths(tokenizer, convs), strict=True))
+    ]
+    schema = pa.schema([NORMALISED_SCHEMA.field(name) for name in CONVERSATION_COLUMNS])
     table = pa.Table.from_pylist(rows, schema=schema)
     out = stage.output_dir(cfg, "ingest")
     storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table)

@@ -54,6 +54,16 @@ def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_
     assert [u.unit_id for u in again] == [u.unit_id for u in units]
 
 
+def test_capture_engines_schedule_synchronously_and_the_plain_engine_keeps_vllms_default(tmp_path):
+    """Async scheduling (vLLM's GPU default for EAGLE-type methods) shifts extract_hidden_states' captured rows
+    against the saved tokens at every accepted draft and leaves the tail rows unwritten: capture engines turn it off."""
+    from eagle3_ray.generate import engine
+
+    cfg = make_cfg(tmp_path, "unused")
+    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["async_scheduling"] is False
+    assert "async_scheduling" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
+
+
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
     from eagle3_ray.generate import engine
 
@@ -89,6 +99,20 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
         )
     totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
+
+
+def test_one_all_zero_row_fails_a_sample_at_the_default_zero_row_limit(tmp_path):
+    """A real verifier's residual stream is never exactly zero: one row the engine never wrote (the tail rows an
+    async-scheduled one-pass capture left as zeros) fails the sample by default, naming it."""
+    from eagle3_ray.generate.commit import CaptureCheckError, check_sample
+
+    hs = torch.randn(200, 3, 8)  # shape: [T, L, H]
+    hs[-1] = 0  # the last token row, in every layer
+    record = {"id": "s7", "unit_id": "u2", "num_tokens": 200}
+    with pytest.raises(CaptureCheckError, match=r"sample s7 .* layer 1: 1 of 200 token rows are all zero"):
+        check_sample(make_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
+    hs[-1] = 1e-3
+    check_sample(make_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
 
 
 def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
