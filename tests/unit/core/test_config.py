@@ -13,8 +13,16 @@ CONFIGS = REPO / "ray_jobs" / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
 
 
-def test_the_shipped_recipes_are_the_five_documented_ones():
-    assert [p.stem for p in RECIPES] == ["kimi_k25", "llama3_8b", "qwen3_30b_a3b", "tiny_cpu", "tiny_kimi_cpu"]
+def test_the_shipped_recipes_are_the_seven_documented_ones():
+    assert [p.stem for p in RECIPES] == [
+        "kimi_k25",
+        "llama3_8b",
+        "qwen3_30b_a3b",
+        "smollm2_cpu",
+        "smollm2_h200",
+        "tiny_cpu",
+        "tiny_kimi_cpu",
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])

@@ -115,3 +115,15 @@ def test_the_named_verifier_resolves_to_the_shared_cache_and_writes_nothing_into
 def test_an_unknown_name_is_taken_as_a_model_directory():
     assert resolve_verifier_path("org/some-model", "/nonexistent") == "org/some-model"
     assert Path(resolve_verifier_path("/models/llama", "/nonexistent")) == Path("/models/llama")
+
+
+@pytest.mark.parametrize("recipe", ["smollm2_cpu", "smollm2_h200"])
+def test_the_smollm2_recipes_capture_eagle3s_default_layers_of_the_converted_model(smollm2_verifier, recipe):
+    from eagle3_ray.core.layers import default_aux_layer_ids, text_config
+    from tests.support import REPO
+
+    cfg = load_config(REPO / "ray_jobs" / "configs" / f"{recipe}.yaml")
+    num_layers = text_config(json.loads((smollm2_verifier / "config.json").read_text()))["num_hidden_layers"]
+    assert cfg.verifier.path == "smollm2-135m-instruct"
+    assert cfg.verifier.aux_layer_ids == default_aux_layer_ids(num_layers) == [2, 15, 27]
+    assert cfg.ingest.inputs == ["builtin:sharegpt"] and cfg.evaluate.prompts == "builtin:mtbench"
