@@ -98,8 +98,10 @@ class VerifierConfig:
 @dataclass(kw_only=True, slots=True)
 class IngestConfig:
     inputs: list[str] = field(default_factory=lambda: ["builtin:tiny_prompts"])
-    """Prompt sources: JSONL, Parquet, a `datasets.save_to_disk` folder, or a file `datasets` can load; local paths or
-    URIs. `builtin:tiny_prompts` is a small prompt set generated in code (no downloads)."""
+    """Prompt sources: JSONL, a JSON array, Parquet, CSV or a `datasets.save_to_disk` folder; local paths or URIs (a
+    cut-off JSON/JSONL file is read up to its last whole record). Builtin sets (ingest/sources.py, no downloads):
+    `builtin:tiny_prompts` (generated in code), `builtin:sharegpt`, `builtin:humaneval`, `builtin:mtbench` (read from
+    installed packages)."""
     turns: Literal["first", "all"] = "first"
     """Keep only the first user turn of each conversation, or all turns."""
     max_prompt_tokens: int = 1024
