@@ -21,10 +21,12 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_ray.core.config import Config, UserError
+from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
 TINY_PREFIX = "tiny:"
@@ -164,6 +166,8 @@ def convert_gguf(spec: NamedVerifier, source: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_source(spec, source)
+    start_s = time.perf_counter()
+    log("verifier", "convert", name=spec.name, source=source, out=out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -186,6 +190,7 @@ def convert_gguf(spec: NamedVerifier, source: Path, out: Path) -> Path:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    log("verifier", "converted", name=spec.name, out=out, elapsed_s=time.perf_counter() - start_s)
     return out
 
 
