@@ -5,8 +5,12 @@ A row is one (num_speculative_tokens, concurrency) measurement; `num_speculative
     mean_acceptance_length  = 1 + accepted / drafts   (tokens emitted per verifier step; 1.0 = no gain)
     acceptance_per_position = accepted at position i / drafts   (the chance the i-th draft token survives)
     speedup                 = output tokens/s with the drafter / without it, same prompts and concurrency
+    identity                = prompts per greedy-identity class against plain decoding at the same concurrency
+                              (identity.py: identical, batch_numerics, numerics_tie, drafter)
+    by_category, by_turn    = the same rates per prompt category / conversation turn, when there are several
 Predicted acceptance (`predicted_vs_measured`) is training's replay of vLLM's draft/verify chain over the validation
 split (train/acceptance.py), shown next to the measured one; a gap past evaluate.PREDICTION_TOLERANCE is flagged.
+The gate's `recommended` (gate.py) names the fastest k at each concurrency.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import io
 from typing import Any
 
 from eagle3_ray.core import storage
+from eagle3_ray.evaluate import identity
+
+SPEC_TOTALS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def _tokens_per_s(run: dict[str, Any]) -> float:
@@ -22,33 +29,38 @@ def _tokens_per_s(run: dict[str, Any]) -> float:
 
 
 def baseline_row(concurrency: int, run: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """Plain decoding at one concurrency. `num_rerun_mismatches`: prompts whose timed pass and untimed reference pass
+    (the same waves again, with logprobs) differ; nonzero means plain decoding is not even repeatable here."""
+    row = {
         "num_speculative_tokens": 0,
         "concurrency": concurrency,
         "wall_s": run["wall_s"],
         "output_tokens": sum(len(o) for o in run["outputs"]),
         "tokens_per_s": _tokens_per_s(run),
     }
-
-
-def _mismatches(base: list[list[int]], spec: list[list[int]]) -> list[dict[str, int]]:
-    """Prompts whose greedy outputs differ, with the first differing token position."""
-    found = []
-    for i, (a, b) in enumerate(zip(base, spec, strict=True)):
-        if a != b:
-            first = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            found.append({"prompt": i, "first_diff_token": first, "base_len": len(a), "spec_len": len(b)})
-    return found
+    if "reference" in run:
+        pairs = zip(run["outputs"], run["reference"]["outputs"], strict=True)
+        row["num_rerun_mismatches"] = sum(a != b for a, b in pairs)
+    return row
 
 
 def spec_row(
-    k: int, concurrency: int, run: dict[str, Any], base: dict[str, Any], base_lowest: dict[str, Any]
+    k: int,
+    concurrency: int,
+    run: dict[str, Any],
+    base: dict[str, Any],
+    base_lowest: dict[str, Any],
+    identity_items: list[dict[str, Any]],
+    labels: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """`base`: plain decoding at the same concurrency; `base_lowest`: plain decoding at the lowest concurrency, whose
-    difference from `base` shows how much batching alone moves greedy outputs."""
+    difference from `base` shows how much batching alone moves greedy outputs. `identity_items`: identity.compare's
+    class per output; `labels`: `{"prompt", "turn"}` per output."""
     s = run["spec"]
-    drafts = max(s["num_drafts"], 1)
-    mismatches = _mismatches(base["outputs"], run["outputs"])
+    mismatches = [
+        {**label, **item} for label, item in zip(labels, identity_items, strict=True) if item["class"] != "identical"
+    ]
+    lowest, same_c = base_lowest["reference"]["outputs"], base["reference"]["outputs"]
     return {
         **baseline_row(concurrency, run),
         "num_speculative_tokens": k,
@@ -57,38 +69,88 @@ def spec_row(
         "num_drafts": s["num_drafts"],
         "num_draft_tokens": s["num_draft_tokens"],
         "num_accepted_tokens": s["num_accepted_tokens"],
-        "acceptance_rate": s["num_accepted_tokens"] / max(s["num_draft_tokens"], 1),
-        "mean_acceptance_length": 1.0 + s["num_accepted_tokens"] / drafts,
-        "acceptance_per_position": [a / drafts for a in s["accepted_per_pos"]],
+        **_acceptance(s),
+        "acceptance_per_position": [a / max(s["num_drafts"], 1) for a in s["accepted_per_pos"]],
         "num_outputs": len(run["outputs"]),
         "num_mismatched_outputs": len(mismatches),
+        "identity": identity.counts(identity_items),
         "mismatches": mismatches,
-        "num_baseline_batch_mismatches": len(_mismatches(base_lowest["outputs"], base["outputs"])),
+        "num_baseline_batch_mismatches": sum(a != b for a, b in zip(lowest, same_c, strict=True)),
+        "by_category": breakdown(run, base, "category"),
+        "by_turn": breakdown(run, base, "turn"),
     }
 
 
+def _acceptance(spec: dict[str, Any]) -> dict[str, float]:
+    return {
+        "acceptance_rate": spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1),
+        "mean_acceptance_length": 1.0 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1),
+    }
+
+
+def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, dict[str, float]] | None:
+    """Speedup and acceptance per value of `key` ("category" or "turn") from the run's groups (each group is timed
+    and its spec-decode counters diffed on its own); None when there is only one value."""
+    if len({g[key] for g in run["groups"]}) < 2:
+        return None
+    names = ("wall_s", "output_tokens", "base_wall_s", "base_output_tokens", *SPEC_TOTALS)
+    sums: dict[str, dict[str, float]] = {}
+    for g, b in zip(run["groups"], base["groups"], strict=True):
+        assert (g["turn"], g["category"]) == (b["turn"], b["category"]), "both engines decode the same groups"
+        total = sums.setdefault(str(g[key]), dict.fromkeys(names, 0))
+        for name in SPEC_TOTALS:
+            total[name] += g["spec"][name]
+        total["wall_s"] += g["wall_s"]
+        total["output_tokens"] += g["output_tokens"]
+        total["base_wall_s"] += b["wall_s"]
+        total["base_output_tokens"] += b["output_tokens"]
+    out = {}
+    for name, t in sums.items():
+        tokens_per_s = t["output_tokens"] / max(t["wall_s"], 1e-9)
+        base_tokens_per_s = t["base_output_tokens"] / max(t["base_wall_s"], 1e-9)
+        out[name] = {
+            "tokens_per_s": tokens_per_s,
+            "baseline_tokens_per_s": base_tokens_per_s,
+            "speedup": tokens_per_s / max(base_tokens_per_s, 1e-9),
+            **_acceptance(t),
+        }
+    return out
+
+
+def _classes(row: dict[str, Any]) -> str:
+    counts = row["identity"]
+    return "/".join(str(counts[c]) for c in identity.CLASSES)
+
+
+def recommended_line(gate: dict[str, Any]) -> str:
+    """`fastest k: c=1 k=3 (1.42x), c=4 k=2 (1.10x); one k for every load: 3`."""
+    per_c = ", ".join(
+        f"c={r['concurrency']} k={r['num_speculative_tokens']} ({r['speedup']:.2f}x)" for r in gate["recommended"]
+    )
+    return f"fastest k: {per_c}; one k for every load: {gate['recommended_num_speculative_tokens']}"
+
+
 def summary_table(results: dict[str, Any]) -> str:
-    """The table a job log ends with: one line per (draft length, concurrency), then the gate's verdict."""
+    """The table a job log ends with: one line per (draft length, concurrency), the recommended k per concurrency,
+    the predictions, then the gate's verdict and its misses."""
     head = (
         f"{'k':>3} {'conc':>5} {'base tok/s':>11} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} "
-        f"{'mean len':>9} {'identical':>10}  per-position acceptance"
+        f"{'mean len':>9} {'same/batch/tie/drafter':>23}  per-position acceptance"
     )
     lines = [head, "-" * len(head)]
     for r in (r for r in results["rows"] if r["num_speculative_tokens"]):
-        same = f"{r['num_outputs'] - r['num_mismatched_outputs']}/{r['num_outputs']}"
         lines.append(
             f"{r['num_speculative_tokens']:>3} {r['concurrency']:>5} {r['baseline_tokens_per_s']:>11.1f} "
             f"{r['tokens_per_s']:>11.1f} {r['speedup']:>7.2f}x {r['acceptance_rate']:>7.3f} "
-            f"{r['mean_acceptance_length']:>9.3f} {same:>10}  "
+            f"{r['mean_acceptance_length']:>9.3f} {_classes(r):>23}  "
             + " ".join(f"{a:.3f}" for a in r["acceptance_per_position"])
         )
-    lines += prediction_lines(results)
     g = results["gate"]
+    lines.append(recommended_line(g))
+    lines += prediction_lines(results)
     verdict = "PASS" if g["passed"] else "FAIL"
     lines.append(
-        f"deploy gate: {verdict} "
-        f"(recommended num_speculative_tokens={g['recommended_num_speculative_tokens']})"
-        + "".join(f"\n  miss: {m}" for m in g["misses"])
+        f"deploy gate: {verdict} (at the fastest k per concurrency)" + "".join(f"\n  miss: {m}" for m in g["misses"])
     )
     return "\n".join(lines)
 
@@ -154,15 +216,20 @@ def markdown(results: dict[str, Any]) -> str:
     table = [
         "| k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
         "| mean acceptance length "
-        "| per-position acceptance | identical greedy outputs |",
+        "| per-position acceptance | greedy outputs identical / batch numerics / numerics tie / drafter |",
         "|" + "---|" * 9,
     ]
     table += [
         f"| {r['num_speculative_tokens']} | {r['concurrency']} | {r['baseline_tokens_per_s']:.1f} | "
         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance_rate']:.3f} | "
         f"{r['mean_acceptance_length']:.3f} | {', '.join(f'{a:.3f}' for a in r['acceptance_per_position'])} | "
-        f"{r['num_outputs'] - r['num_mismatched_outputs']}/{r['num_outputs']} |"
+        f"{_classes(r).replace('/', ' / ')} |"
         for r in rows
+    ]
+    recommended = ["| concurrency | fastest k | speedup | mean acceptance length |", "|---|---|---|---|"] + [
+        f"| {r['concurrency']} | {r['num_speculative_tokens']} | {r['speedup']:.2f}x | "
+        f"{r['mean_acceptance_length']:.3f} |"
+        for r in g["recommended"]
     ]
     misses = "".join(f"\n- {m}" for m in g["misses"]) or "\n- none"
     return "\n".join(
@@ -173,16 +240,23 @@ def markdown(results: dict[str, Any]) -> str:
             f"- verifier: `{results['verifier_path']}`",
             f"- prompts: {len(results['prompt_ids'])} held out "
             f"(none in the {results['held_out']['num_train_conversations']} "
-            f"training conversations), chat template applied, greedy, max_tokens={results['max_tokens']}",
+            f"training conversations), chat template applied, greedy, max_tokens={results['max_tokens']}, "
+            f"turns={results['turns']}",
             f"- aux layers: captured {results['capture_aux_layer_ids']}, used by vLLM {results['vllm_aux_layer_ids']}",
             "",
-            f"**Deploy gate: {'PASS' if g['passed'] else 'FAIL'}** (thresholds {g['thresholds']}; recommended "
-            f"num_speculative_tokens={g['recommended_num_speculative_tokens']})",
+            f"**Deploy gate: {'PASS' if g['passed'] else 'FAIL'}** at the fastest k of each concurrency "
+            f"(thresholds {g['thresholds']}). One k for every load (best lowest speedup): "
+            f"{g['recommended_num_speculative_tokens']}.",
+            "",
+            *recommended,
             "",
             "Misses:" + misses,
             "",
             *table,
             "",
+            *_identity_section(results, rows),
+            *_breakdown_table(rows, "by_category", "category"),
+            *_breakdown_table(rows, "by_turn", "turn"),
             *_prediction_table(results),
             "![acceptance per position](acceptance_per_position.png)",
             "",
@@ -190,6 +264,70 @@ def markdown(results: dict[str, Any]) -> str:
             "",
         ]
     )
+
+
+MAX_LISTED_MISMATCHES = 20
+
+
+def _identity_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The identity classes explained, plain decoding's own batch-shape noise, and the first differing outputs."""
+    floor = results["plain_noise_floor"]
+    margins = sorted(m["margin"] for m in floor["differing"] if m["margin"] is not None)
+    reruns = sum(r.get("num_rerun_mismatches", 0) for r in results["rows"] if not r["num_speculative_tokens"])
+    lines = [
+        "Greedy identity, against plain decoding at the same concurrency (identity.py): *batch numerics* = plain "
+        "decoding itself changes this prompt between concurrency levels at or before the differing token; *numerics "
+        f"tie* = plain's top-2 log-probabilities there are within {results['numerics_tie_margin_nats']} nats; "
+        "*drafter* = neither (fails `require_identical_outputs`).",
+        "",
+        f"Noise floor: plain decoding at concurrency {floor['concurrency'][0]} vs {floor['concurrency'][1]} differs "
+        f"on {len(floor['differing'])} of {floor['num_outputs']} outputs"
+        + (f" (top-2 margins at the flip: {', '.join(f'{m:.3f}' for m in margins)})" if margins else "")
+        + f"; the same waves decoded twice differ on {reruns} output(s).",
+        "",
+    ]
+    listed = [(r, m) for r in rows for m in r["mismatches"]][:MAX_LISTED_MISMATCHES]
+    if not listed:
+        return lines
+    lines += [
+        "| k | concurrency | prompt | turn | class | first differing token | plain changes with batch shape at "
+        "| plain top-2 margin there |",
+        "|" + "---|" * 8,
+    ]
+    lines += [
+        f"| {r['num_speculative_tokens']} | {r['concurrency']} | `{m['prompt']}` | {m['turn']} | {m['class']} | "
+        f"{m['first_diff_token']} | {_or_dash(m['plain_shift_token'])} | {_fmt(m['margin'])} |"
+        for r, m in listed
+    ]
+    total = sum(len(r["mismatches"]) for r in rows)
+    more = [f"({total - len(listed)} more in results.json)", ""] if total > len(listed) else []
+    return [*lines, "", *more]
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _breakdown_table(rows: list[dict[str, Any]], field: str, label: str) -> list[str]:
+    """Speedup and acceptance per category (or per turn), one line per (value, k, concurrency)."""
+    if not any(r[field] for r in rows):
+        return []
+    table = [
+        f"| {label} | k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
+        "| mean acceptance length |",
+        "|" + "---|" * 8,
+    ]
+    for name in sorted({name for r in rows for name in r[field] or {}}):
+        table += [
+            f"| {name} | {r['num_speculative_tokens']} | {r['concurrency']} | {m['baseline_tokens_per_s']:.1f} | "
+            f"{m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['acceptance_rate']:.3f} | "
+            f"{m['mean_acceptance_length']:.3f} |"
+            for r in rows
+            if (m := (r[field] or {}).get(name))
+        ]
+    gaps = sorted({r["concurrency"] for r in rows if not r[field]})
+    note = [f"No per-{label} numbers at concurrency {gaps}: a {label} has fewer prompts than that.", ""] if gaps else []
+    return [f"Per {label}:", "", *table, "", *note]
 
 
 def _png(fig) -> bytes:

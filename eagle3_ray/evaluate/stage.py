@@ -1,33 +1,39 @@
 """Evaluate stage: decode held-out prompts in vLLM without speculation and with the exported drafter, measure
-acceptance and throughput, and gate deployment on the result.
+acceptance and throughput, recommend a draft length per concurrency, and gate deployment on the result.
 
     python ray_jobs/evaluate.py ray_jobs/configs/tiny_cpu.yaml evaluate.min_speedup=1.1
 
-Engines run one at a time, each in its own Ray actor (its memory and Prometheus counters die with it): one baseline
-engine serves every concurrency level, then one engine per `num_speculative_tokens` value. A concurrency level c is
-measured by submitting the prompts in waves of c requests (temperature 0, `max_tokens`), so each wave decodes c
-sequences together. Writes `evaluate/{version}/results.json`, `report.md` and two PNG plots.
+Engines run one at a time, each in its own Ray actor (engine.py; its memory and Prometheus counters die with it): one
+baseline engine serves every concurrency level, then one engine per `num_speculative_tokens` value. A concurrency
+level c is measured by submitting the prompts in waves of c requests (temperature 0, `max_tokens`), so each wave
+decodes c sequences together. Prompts with a `category` are decoded category by category (a wave never mixes two),
+each timed and its spec-decode counters diffed on its own, at every level that each category can fill
+(`prompt_groups`). The baseline engine decodes every level twice: a timed pass, then the same waves untimed with the
+top-2 logprobs, the reference that greedy identity is judged against (identity.py); logprobs stay out of the timed
+pass so that they do not slow the baseline. With `evaluate.turns=both` the baseline engine then builds each prompt's
+second turn after its own first answer (the reference pass at the lowest concurrency), and every engine decodes
+those same token ids as turn 2.
 
-The version hashes only what the measurement depends on, not the gate's thresholds: re-running with other
-thresholds re-applies the gate to the stored results without starting an engine. A miss raises `DeployGateError`
-(the job exits non-zero) unless `evaluate.report_only`.
+Writes `evaluate/{version}/results.json`, `report.md` and two PNG plots. The version hashes only what the
+measurement depends on, not the gate's thresholds: re-running with other thresholds re-applies the gate (gate.py) to
+the stored results without starting an engine. A miss raises `DeployGateError` (the job exits non-zero) unless
+`evaluate.report_only`.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
-import shutil
-import tempfile
-import time
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 from eagle3_ray.core import contract, stage, storage, verifiers
-from eagle3_ray.core.config import Config, UserError, config_from_dict, versioned
+from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.telemetry import log
-from eagle3_ray.evaluate import report
+from eagle3_ray.evaluate import gate, identity, report
+from eagle3_ray.evaluate.engine import SPEC_COUNTERS, EngineBench, add_per_position
+from eagle3_ray.evaluate.engine import local_engine_args as local_engine_args  # the stage's public name too
 from eagle3_ray.generate.engine import with_cpu_rotary_fix
 from eagle3_ray.ingest import sources
 from eagle3_ray.ingest.formats import conversation_id
@@ -37,92 +43,17 @@ STAGE = "evaluate"
 # run's own validation prompts and to 0.015 on held-out ones; a contract fault (wrong aux ids, a dropped
 # norm flag) costs far more than 0.15 (2.22 vs 1.59 with the old per-position estimate).
 PREDICTION_TOLERANCE = 0.15
-SPEC_COUNTERS = {
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
 
 
 class DeployGateError(RuntimeError):
     """The drafter missed the deploy gate: the message is the summary table and every missed threshold."""
 
 
-class EngineBench:
-    """Ray actor around one vLLM engine: greedy decoding of token-id prompts at a given concurrency."""
-
-    def __init__(self, engine_args: dict[str, Any], cfg_dict: dict[str, Any]):
-        from vllm import LLM
-
-        args, self.local_drafter = local_engine_args(engine_args, config_from_dict(cfg_dict))
-        self.llm = LLM(**args)
-
-    def speculative_info(self) -> dict[str, Any]:
-        """What the engine resolved for the drafter: its architecture and the verifier layers it feeds it."""
-        ids = contract.vllm_aux_layer_ids(self.llm)
-        spec = self.llm.llm_engine.vllm_config.speculative_config
-        return {
-            "method": spec.method,
-            "architectures": list(spec.draft_model_config.hf_config.architectures),
-            "aux_layer_ids": list(ids) if ids is not None else None,
-            "drafter_flags": contract.vllm_drafter_flags(self.llm),
-        }
-
-    def _spec_counters(self) -> dict[str, Any]:
-        from vllm.v1.metrics.reader import Counter, Vector
-
-        totals: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS.values()}
-        totals["accepted_per_pos"] = []
-        for m in self.llm.get_metrics():
-            if isinstance(m, Counter) and m.name in SPEC_COUNTERS:
-                totals[SPEC_COUNTERS[m.name]] += m.value
-            elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                pos = totals["accepted_per_pos"]
-                totals["accepted_per_pos"] = [a + b for a, b in zip(pos + [0] * len(m.values), m.values, strict=False)]
-        return totals
-
-    def measure(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict[str, Any]:
-        """Outputs (token ids per prompt), wall time and the spec-decode counter increments of this run."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        self.llm.generate(
-            [{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
-        )  # warm-up: first-call allocations are not throughput
-        before = self._spec_counters()
-        outputs: list[list[int]] = []
-        start = time.perf_counter()
-        for i in range(0, len(prompts), concurrency):
-            wave = [{"prompt_token_ids": p} for p in prompts[i : i + concurrency]]
-            outputs += [list(o.outputs[0].token_ids) for o in self.llm.generate(wave, params, use_tqdm=False)]
-        wall_s = time.perf_counter() - start
-        after = self._spec_counters()
-        spec = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
-        prev = before["accepted_per_pos"] + [0] * len(after["accepted_per_pos"])
-        spec["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev, strict=False)]
-        return {"outputs": outputs, "wall_s": wall_s, "spec": spec}
-
-    def close(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        if self.local_drafter:
-            shutil.rmtree(self.local_drafter, ignore_errors=True)
-
-
-def local_engine_args(engine_args: dict[str, Any], cfg: Config) -> tuple[dict[str, Any], str | None]:
-    """The engine's files on the node this actor runs on, which need not be the driver's: a drafter on an object
-    store is copied here (vLLM reads local directories), a tiny verifier missing here is built here. Returns the
-    arguments and the drafter copy to delete afterwards (None when the drafter was already local)."""
-    args = copy.deepcopy(engine_args)
-    args["model"] = verifiers.verifier_dir_on_this_node(cfg.verifier.path, args["model"], cfg.verifier.dtype)
-    spec, copied = args.get("speculative_config"), None
-    if spec is not None and "://" in spec["model"]:
-        spec["model"] = copied = _local_drafter(spec["model"])
-    return args, copied
-
-
 def load_prompts(cfg: Config) -> list[dict[str, Any]]:
-    """Held-out conversations `{"id", "messages"}`: `evaluate.prompts` (JSONL or Parquet with `messages` or
-    `prompt`) or the builtin eval split; the first `evaluate.num_prompts`, prompt turns only."""
+    """Held-out conversations `{"id", "messages", "category", "second_turn"}`: `evaluate.prompts` (JSONL or Parquet
+    with `messages`, a `prompt` string or MT-Bench's `turns`, optionally `id` and `category`) or the builtin eval
+    split; the first `evaluate.num_prompts`, prompt turns only. `second_turn` is `turns[1]` when
+    `evaluate.turns=both`, else None."""
     if cfg.evaluate.prompts is None:
         rows = tiny_prompts(split="eval", seed=cfg.run.seed)
         where = "builtin:tiny_prompts(split=eval)"
@@ -132,11 +63,24 @@ def load_prompts(cfg: Config) -> list[dict[str, Any]]:
         raise ValueError(f"evaluate.num_prompts={cfg.evaluate.num_prompts} but {where} has {len(rows)} prompts")
     prompts = []
     for i, row in enumerate(rows[: cfg.evaluate.num_prompts]):
-        messages = row.get("messages") or ([{"role": "user", "content": row["prompt"]}] if row.get("prompt") else None)
+        first = row.get("prompt") or (row.get("turns") or [None])[0]
+        messages = row.get("messages") or ([{"role": "user", "content": first}] if first else None)
         if not messages or messages[-1]["role"] != "user":
-            raise ValueError(f"{where} row {i}: needs `messages` ending with a user turn, or a `prompt` string")
+            raise ValueError(f"{where} row {i}: needs `messages` ending with a user turn, a `prompt` or `turns`")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        prompts.append({"id": row.get("id") or conversation_id(messages), "messages": messages})
+        second = None
+        if cfg.evaluate.turns == "both":
+            if len(row.get("turns") or []) < 2:
+                raise ValueError(f"evaluate.turns=both: {where} row {i} has no second turn (`turns`: [first, second])")
+            second = row["turns"][1]
+        prompts.append(
+            {
+                "id": row.get("id") or conversation_id(messages),
+                "messages": messages,
+                "category": row.get("category"),
+                "second_turn": second,
+            }
+        )
     return prompts
 
 
@@ -157,8 +101,9 @@ def _read_rows(uri: str) -> list[dict[str, Any]]:
 
 
 def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dict[str, Any]:
-    """Refuse prompts the drafter was trained on: same conversation id or same user text as a row of the training
-    data (`conversations.parquet` of the generate stage, or in online mode of the ingest stage)."""
+    """Refuse prompts the drafter was trained on: same conversation id or same user text (a second turn included) as
+    a row of the training data (`conversations.parquet` of the generate stage, or in online mode of the ingest
+    stage)."""
     uri = storage.join(training_data_dir, "conversations.parquet")
     table = storage.read_parquet(uri, columns=["id", "messages"])
     train_ids = set(table.column("id").to_pylist())
@@ -166,7 +111,9 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
     overlap = [
         p["id"]
         for p in prompts
-        if p["id"] in train_ids or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")
+        if p["id"] in train_ids
+        or any(m["content"] in train_texts for m in p["messages"] if m["role"] == "user")
+        or p.get("second_turn") in train_texts
     ]
     if overlap:
         raise UserError(
@@ -174,6 +121,77 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
             f"{overlap[:5]}: evaluate on held-out prompts"
         )
     return {"num_train_conversations": len(train_ids), "training_data": training_data_dir}
+
+
+def prompt_groups(
+    prompts: list[dict[str, Any]], concurrency: int, *, turn: int = 1, offset: int = 0
+) -> list[dict[str, Any]]:
+    """Prompt indices (+ `offset`) to decode at `concurrency`, as `{"turn", "category", "indices"}` groups whose waves
+    never mix two groups: one group per category (first-seen order) when every category holds at least `concurrency`
+    prompts, so each category gets its own wall time and counters at full concurrency; else one group in prompt order
+    (category None), as uncategorised prompts always are: MT-Bench's 10 per category cannot fill waves of 32."""
+    by_category: dict[Any, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_category.setdefault(p.get("category"), []).append(i + offset)
+    if None in by_category or min(len(v) for v in by_category.values()) < concurrency:
+        by_category = {None: [i + offset for i in range(len(prompts))]}
+    return [{"turn": turn, "category": c, "indices": indices} for c, indices in by_category.items()]
+
+
+def level_groups(prompts: list[dict[str, Any]], concurrency: int, turns: tuple[int, ...]) -> list[dict[str, Any]]:
+    """`prompt_groups` for token prompts that hold every prompt once per turn in `turns`, turn after turn."""
+    n = len(prompts)
+    return [g for i, t in enumerate(turns) for g in prompt_groups(prompts, concurrency, turn=t, offset=i * n)]
+
+
+def _tokenizer(verifier_dir: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(verifier_dir, trust_remote_code=trust_remote_code)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _tokenize(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:
+    tokenizer = _tokenizer(verifier_dir, trust_remote_code)
+    return [_chat_ids(tokenizer, p["messages"]) for p in prompts]
+
+
+def second_turn_prompts(
+    tokenizer: Any, prompts: list[dict[str, Any]], first_answers: list[list[int]]
+) -> list[list[int]]:
+    """MT-Bench's second turn: each conversation continued with the model's own first answer and the second user
+    turn, `[...messages, assistant: answer, user: second_turn]`, through the verifier's chat template. The answer is
+    decoded without special tokens (its end-of-turn token is the template's to write), as a chat client sends it
+    back; an answer cut at `max_tokens` is sent as it is. Every engine decodes these same token ids."""
+    return [
+        _chat_ids(
+            tokenizer,
+            [
+                *p["messages"],
+                {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)},
+                {"role": "user", "content": p["second_turn"]},
+            ],
+        )
+        for p, answer in zip(prompts, first_answers, strict=True)
+    ]
+
+
+def check_second_turn_fits(tokenizer: Any, prompts: list[dict[str, Any]], cfg: Config) -> None:
+    """Before any engine starts: a second turn holds the first prompt, an answer of up to `max_tokens` and the
+    second user turn, then decodes `max_tokens` more; refuse prompts whose bound exceeds `verifier.max_model_len`."""
+    empty = second_turn_prompts(tokenizer, prompts, [[] for _ in prompts])
+    need = {p["id"]: len(ids) + 2 * cfg.evaluate.max_tokens for p, ids in zip(prompts, empty, strict=True)}
+    too_long = {pid: n for pid, n in need.items() if n > cfg.verifier.max_model_len}
+    if too_long:
+        raise ValueError(
+            f"evaluate.turns=both: {len(too_long)} prompt(s) need more than verifier.max_model_len="
+            f"{cfg.verifier.max_model_len} tokens (first prompt, its answer and the second turn's, each answer up to "
+            f"evaluate.max_tokens={cfg.evaluate.max_tokens}), e.g. {dict(list(too_long.items())[:3])}: raise "
+            "verifier.max_model_len or lower evaluate.max_tokens"
+        )
 
 
 def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_speculative_tokens: int) -> dict:
@@ -195,8 +213,10 @@ def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_spe
     return with_cpu_rotary_fix(args, verifier_dir, cfg.verifier.trust_remote_code)
 
 
-def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> dict[str, Any]:
-    """Start one engine actor, measure every concurrency level, stop it. Returns aux ids and one run per level."""
+@contextlib.contextmanager
+def engine_actor(cfg: Config, args: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any] | None]]:
+    """One engine actor for the block: yields it and, with a drafter, what vLLM resolved for the drafter (checked
+    against the drafter's own flags before anything is measured); stops it afterwards."""
     import ray
 
     actor_cls = ray.remote(num_cpus=cfg.evaluate.num_cpus_per_engine, num_gpus=cfg.evaluate.num_gpus_per_engine)
@@ -208,38 +228,126 @@ def run_engine(cfg: Config, args: dict[str, Any], prompts: list[list[int]]) -> d
             contract.check_vllm_drafter_flags(
                 info["drafter_flags"], storage.read_json(storage.join(drafter, "config.json")), where=drafter
             )
-        runs = {c: ray.get(actor.measure.remote(prompts, c, cfg.evaluate.max_tokens)) for c in cfg.evaluate.concurrency}
+        yield actor, info
         ray.get(actor.close.remote())
     finally:
         ray.kill(actor)
-    return {"speculative": info, "runs": runs}
+
+
+def measure_levels(
+    cfg: Config,
+    actor: Any,
+    token_prompts: list[list[int]],
+    prompts: list[dict[str, Any]] | None = None,
+    *,
+    turns: tuple[int, ...] = (1,),
+    reference: bool = False,
+) -> dict[int, dict[str, Any]]:
+    """Every concurrency level on one engine, in the groups `level_groups` makes of `prompts` (None: one group of
+    every token prompt); with `reference`, each level's untimed logprobs pass too (under the run's `reference` key)."""
+    import ray
+
+    runs = {}
+    for c in cfg.evaluate.concurrency:
+        groups = level_groups(prompts, c, turns) if prompts is not None else None
+        runs[c] = ray.get(actor.measure.remote(token_prompts, c, cfg.evaluate.max_tokens, groups))
+        if reference:
+            runs[c]["reference"] = ray.get(actor.reference.remote(token_prompts, c, cfg.evaluate.max_tokens, groups))
+    return runs
+
+
+def run_engine(
+    cfg: Config,
+    args: dict[str, Any],
+    token_prompts: list[list[int]],
+    prompts: list[dict[str, Any]] | None = None,
+    *,
+    turns: tuple[int, ...] = (1,),
+) -> dict[str, Any]:
+    """Start one engine actor, measure every concurrency level, stop it. Returns aux ids and one run per level."""
+    with engine_actor(cfg, args) as (actor, info):
+        return {"speculative": info, "runs": measure_levels(cfg, actor, token_prompts, prompts, turns=turns)}
+
+
+def concat_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two measurements on one engine (turn 1, then turn 2) as one: outputs and groups appended, totals added."""
+    spec = {k: a["spec"][k] + b["spec"][k] for k in SPEC_COUNTERS.values()}
+    spec["accepted_per_pos"] = add_per_position(a["spec"]["accepted_per_pos"], b["spec"]["accepted_per_pos"])
+    out = {
+        "outputs": a["outputs"] + b["outputs"],
+        "wall_s": a["wall_s"] + b["wall_s"],
+        "spec": spec,
+        "groups": a["groups"] + b["groups"],
+    }
+    if "reference" in a:
+        out["reference"] = {key: a["reference"][key] + b["reference"][key] for key in ("outputs", "margins")}
+    return out
+
+
+def plain_runs(
+    cfg: Config, verifier_dir: str, prompts: list[dict[str, Any]], token_prompts: list[list[int]]
+) -> tuple[dict[int, dict[str, Any]], list[list[int]]]:
+    """The baseline engine at every concurrency (timed and reference passes); with `evaluate.turns=both`, turn 2
+    built from its own first answers at the lowest concurrency and measured as well. Returns the runs and the token
+    prompts every engine decodes (turn 1 of every prompt, then turn 2)."""
+    with engine_actor(cfg, engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
+        base = measure_levels(cfg, actor, token_prompts, prompts, reference=True)
+        if cfg.evaluate.turns == "first":
+            return base, token_prompts
+        first_answers = base[min(base)]["reference"]["outputs"]
+        second = second_turn_prompts(_tokenizer(verifier_dir, cfg.verifier.trust_remote_code), prompts, first_answers)
+        base2 = measure_levels(cfg, actor, second, prompts, turns=(2,), reference=True)
+    return {c: concat_runs(base[c], base2[c]) for c in base}, token_prompts + second
 
 
 def measure_all(
     cfg: Config,
     verifier_dir: str,
     drafter_dir: str,
+    prompts: list[dict[str, Any]],
     token_prompts: list[list[int]],
     capture: dict[str, Any],
     capture_where: str,
 ) -> dict[str, Any]:
-    """Plain decoding, then each draft length; returns the rows, what vLLM resolved for the drafter, and the
-    acceptance training predicted next to what vLLM measured (`predicted_vs_measured`)."""
+    """Plain decoding, then each draft length; returns the rows, what vLLM resolved for the drafter, plain
+    decoding's own batch-shape noise (`plain_noise_floor`) and the acceptance training predicted next to what vLLM
+    measured (`predicted_vs_measured`)."""
     check_serving_vllm(drafter_dir, capture)
-    base = run_engine(cfg, engine_args(cfg, verifier_dir, None, 0), token_prompts)["runs"]
+    base, all_prompts = plain_runs(cfg, verifier_dir, prompts, token_prompts)
+    turns = (1, 2) if cfg.evaluate.turns == "both" else (1,)
+    n = len(prompts)  # all_prompts: turn 1 of every prompt, then (turns=both) turn 2 of every prompt
+    labels = [{"prompt": prompts[i % n]["id"], "turn": 1 + i // n} for i in range(len(all_prompts))]
     rows = [report.baseline_row(c, run) for c, run in base.items()]
+    tie = identity.TIE_MARGIN_NATS[cfg.verifier.dtype]
     infos = {}
     for k in cfg.evaluate.num_speculative_tokens:
-        spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), token_prompts)
+        spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), all_prompts, prompts, turns=turns)
         infos[k] = spec["speculative"]
         contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
-        rows += [report.spec_row(k, c, run, base[c], base[min(base)]) for c, run in spec["runs"].items()]
+        for c, run in spec["runs"].items():
+            ref = base[c]["reference"]
+            others = [base[o]["reference"]["outputs"] for o in base if o != c]
+            items = identity.compare(run["outputs"], ref["outputs"], others, ref["margins"], tie_margin_nats=tie)
+            rows.append(report.spec_row(k, c, run, base[c], base[min(base)], items, labels))
         log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
     aux_ids = {k: info["aux_layer_ids"] for k, info in infos.items()}
     check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos)
     for item in (c for c in check if c["flagged"]):
         log(STAGE, "prediction_gap", num_speculative_tokens=item["num_speculative_tokens"], message=item["message"])
-    return {"rows": rows, "vllm_speculative": infos, "vllm_aux_layer_ids": aux_ids, "predicted_vs_measured": check}
+    low, high = base[min(base)]["reference"], base[max(base)]["reference"]
+    floor = identity.noise_floor(low["outputs"], high["outputs"], low["margins"])
+    return {
+        "rows": rows,
+        "vllm_speculative": infos,
+        "vllm_aux_layer_ids": aux_ids,
+        "predicted_vs_measured": check,
+        "numerics_tie_margin_nats": tie,
+        "plain_noise_floor": {
+            "concurrency": [min(base), max(base)],
+            "num_outputs": len(all_prompts),
+            "differing": [{**labels[d["index"]], **d} for d in floor],
+        },
+    }
 
 
 def check_serving_vllm(drafter_dir: str, capture: dict[str, Any]) -> None:
@@ -302,16 +410,6 @@ def _gap_message(k: int, predicted: float, measured: float, info: dict[str, Any]
     )
 
 
-def _tokenize(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(verifier_dir, trust_remote_code=trust_remote_code)
-    return [
-        list(tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
-        for p in prompts
-    ]
-
-
 def version(cfg: Config) -> str:
     prompt_ids = [p["id"] for p in load_prompts(cfg)]
     return storage.version_hash(
@@ -338,7 +436,7 @@ def run(cfg: Config) -> dict[str, Any]:
         inputs={"export": export_dir},
     )
     results = {**storage.read_json(storage.join(summary["path"], "results.json")), "version": summary["version"]}
-    results["gate"] = gate(results["rows"], cfg)
+    results["gate"] = gate.gate(results["rows"], cfg.evaluate)
     report.write(summary["path"], results)
     return _verdict(cfg, results)
 
@@ -350,14 +448,16 @@ def _measure(
         ensure_ray,  # imports ray: only where engines start (ray reads auth at import)
     )
 
-    ensure_ray(cfg.run)
     capture_where = storage.join(export_dir, "capture.json")
     capture = storage.read_json(capture_where)
     verifier_dir = verifiers.verifier_dir(cfg)
     drafter_dir = storage.join(export_dir, "speculators")  # each engine actor copies it to its own node
     contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
     token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)
-    log(STAGE, "measure", num_prompts=len(prompts), drafter=drafter_dir)
+    if cfg.evaluate.turns == "both":
+        check_second_turn_fits(_tokenizer(verifier_dir, cfg.verifier.trust_remote_code), prompts, cfg)
+    ensure_ray(cfg.run)
+    log(STAGE, "measure", num_prompts=len(prompts), turns=cfg.evaluate.turns, drafter=drafter_dir)
     results = {
         "verifier_path": verifier_dir,
         "export_dir": export_dir,
@@ -365,100 +465,33 @@ def _measure(
         "held_out": held_out,
         "prompt_ids": [p["id"] for p in prompts],
         "max_tokens": cfg.evaluate.max_tokens,
+        "turns": cfg.evaluate.turns,
         "capture_aux_layer_ids": capture["aux_layer_ids"],
-        **measure_all(cfg, verifier_dir, drafter_dir, token_prompts, capture, capture_where),
+        **measure_all(cfg, verifier_dir, drafter_dir, prompts, token_prompts, capture, capture_where),
     }
     storage.write_json_atomic(storage.join(out_dir, "results.json"), results)
     return {"num_prompts": len(prompts), "drafter_dir": drafter_dir}
 
 
-def _local_drafter(uri: str) -> str:
-    """A drafter on an object store (or a `file://` URI) copied to this node's temp dir."""
-    local = Path(tempfile.mkdtemp(prefix="eagle3-drafter-"))
-    for name in ("config.json", "model.safetensors"):
-        (local / name).write_bytes(storage.read_bytes(storage.join(uri, name)))
-    return str(local)
-
-
-def _min_speedup(cfg: Config, concurrency: int) -> float | None:
-    threshold = cfg.evaluate.min_speedup
-    return threshold.get(concurrency) if isinstance(threshold, dict) else threshold
-
-
-def gate(rows: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """A draft length passes when every concurrency meets its thresholds and, if required, greedy outputs are
-    identical; the drafter passes when some draft length does. The recommended length has the best worst speedup."""
-    misses: dict[int, list[str]] = {}
-    for row in (r for r in rows if r["num_speculative_tokens"]):
-        k, c = row["num_speculative_tokens"], row["concurrency"]
-        reasons = misses.setdefault(k, [])
-        need = _min_speedup(cfg, c)
-        if need is not None and row["speedup"] < need:
-            reasons.append(f"k={k} c={c}: speedup {row['speedup']:.3f} < min_speedup {need}")
-        need = cfg.evaluate.min_acceptance_length
-        if need is not None and row["mean_acceptance_length"] < need:
-            reasons.append(
-                f"k={k} c={c}: mean acceptance length {row['mean_acceptance_length']:.3f} "
-                f"< min_acceptance_length {need}"
-            )
-        # One request at a time, a difference is most likely speculation's; but verification scores k+1 tokens per
-        # step where plain decoding scores one, so a verifier that is not batch-invariant (near-tied logits, MoE
-        # routing near ties) can differ without a defect. The message says which the evidence points to: whether
-        # plain decoding alone changes outputs between concurrency levels.
-        if cfg.evaluate.require_identical_outputs and c == 1 and row["num_mismatched_outputs"]:
-            reasons.append(
-                f"k={k} c={c}: {row['num_mismatched_outputs']} greedy output(s) differ from plain decoding "
-                f"(prompts {[m['prompt'] for m in row['mismatches'][:5]]}); {_identity_evidence(rows)}"
-            )
-    passing = [k for k, reasons in misses.items() if not reasons]
-    worst = {k: min(r["speedup"] for r in rows if r["num_speculative_tokens"] == k) for k in passing}
-    return {
-        "passed": bool(passing),
-        "passing_num_speculative_tokens": passing,
-        "recommended_num_speculative_tokens": max(worst, key=worst.get) if worst else None,
-        "misses": [m for reasons in misses.values() for m in reasons],
-        "thresholds": {k: v for k, v in cfg.to_dict()["evaluate"].items() if k not in versioned(cfg.evaluate)},
-    }
-
-
-def _identity_evidence(rows: list[dict[str, Any]]) -> str:
-    shifts = max((r.get("num_baseline_batch_mismatches", 0) for r in rows), default=0)
-    levels = sorted({r["concurrency"] for r in rows})
-    if len(levels) < 2:
-        return "plain decoding ran at one concurrency only, so batch invariance is unknown"
-    if shifts == 0:
-        return (
-            "plain decoding gives the same outputs at every concurrency: the verifier is batch-invariant here, "
-            "so this points at speculation (drafter vocab mapping, verification)"
-        )
-    return (
-        f"plain decoding alone changes {shifts} output(s) between concurrency levels {levels}: the verifier is "
-        "not batch-invariant, so this may be batch-shape numerics (near-tied logits, MoE routing); "
-        "evaluate.require_identical_outputs=false gates on speed and acceptance only"
-    )
-
-
 def _verdict(cfg: Config, results: dict[str, Any]) -> dict[str, Any]:
     table = report.summary_table(results)
-    verdict = "PASS" if results["gate"]["passed"] else "FAIL"
+    verdict = results["gate"]
     log(
         STAGE,
         "gate",
-        verdict=verdict,
+        verdict="PASS" if verdict["passed"] else "FAIL",
         report_only=cfg.evaluate.report_only,
-        recommended_num_speculative_tokens=results["gate"]["recommended_num_speculative_tokens"],
+        fastest_k=",".join(
+            f"c{r['concurrency']}:k{r['num_speculative_tokens']}({r['speedup']:.2f}x)" for r in verdict["recommended"]
+        ),
+        recommended_num_speculative_tokens=verdict["recommended_num_speculative_tokens"],
     )
     print(table, flush=True)
-    if not results["gate"]["passed"] and not cfg.evaluate.report_only:
+    if not verdict["passed"] and not cfg.evaluate.report_only:
         raise DeployGateError(
             f"deploy gate FAILED for drafter {results['drafter_dir']}:\n  - "
-            + "\n  - ".join(results["gate"]["misses"])
+            + "\n  - ".join(verdict["misses"])
             + "\n"
             + table
         )
-    return {
-        "version": results["version"],
-        "passed": results["gate"]["passed"],
-        "gate": results["gate"],
-        "rows": results["rows"],
-    }
+    return {"version": results["version"], "passed": verdict["passed"], "gate": verdict, "rows": results["rows"]}

