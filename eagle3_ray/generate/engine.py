@@ -75,6 +75,9 @@ def engine_kwargs(
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+            # No CUDA graphs for the capture "drafter" (it is not compiled anyway): vLLM 0.24 writes its padded
+            # slots (slot -1) into the last KV block's last slot, one stale row into whichever request owns it.
+            "enforce_eager": True,
         }
         # Synchronous scheduling. With async scheduling (vLLM's default on GPU for EAGLE-type methods; the CPU build
         # forces it off) extract_hidden_states' proposer (prepare_next_token_ids_padded, vLLM 0.24 to 0.32) counts

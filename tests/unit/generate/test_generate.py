@@ -60,7 +60,8 @@ def test_capture_engines_schedule_synchronously_and_the_plain_engine_keeps_vllms
     from eagle3_ray.generate import engine
 
     cfg = make_cfg(tmp_path, "unused")
-    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["async_scheduling"] is False
+    kwargs = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")
+    assert kwargs["async_scheduling"] is False and kwargs["speculative_config"]["enforce_eager"] is True
     assert "async_scheduling" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
 
 
