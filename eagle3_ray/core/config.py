@@ -139,10 +139,13 @@ class GenerateConfig:
     units_in_flight: int = field(default=32, metadata=NOT_IN_VERSION)
     """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
     continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
-    capture_buffer_bytes: int = field(default=4 << 30, metadata=NOT_IN_VERSION)
+    capture_buffer_bytes: int | None = field(default=None, metadata=NOT_IN_VERSION)
     """Host memory bound of a replica: captured bytes not yet committed (per-request scratch files in RAM plus what
     the writers have read), estimated from each unit's token budget x layers x hidden x model dtype. A unit waits to
-    start while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone."""
+    start while the budget is spent (logged as `backpressure`); one unit larger than the budget runs alone. None:
+    sized from the node when the engine starts (generate/engine.py capture_budget): a quarter of its available
+    memory shared among its GPUs, at most half of /dev/shm's free space, at least 1 GiB; the log line
+    `capture_budget` says what it chose and from what."""
     pinned_buffer_bytes: int = field(default=2 << 30, metadata=NOT_IN_VERSION)
     """GPU only: pinned host memory each replica's connector reserves when its engine starts (about 1 s per GB on an
     H200 machine) for the device-to-host copies of the captures it writes into shards, lent per sample until the
@@ -214,7 +217,11 @@ class GenerateConfig:
         _check(self.max_tokens > 0, "generate.max_tokens", "must be > 0")
         _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")
         _check(self.units_in_flight >= 1, "generate.units_in_flight", "must be >= 1")
-        _check(self.capture_buffer_bytes > 0, "generate.capture_buffer_bytes", "must be > 0")
+        _check(
+            self.capture_buffer_bytes is None or self.capture_buffer_bytes > 0,
+            "generate.capture_buffer_bytes",
+            "must be > 0 or null (sized from the node)",
+        )
         _check(self.writer_threads >= 1, "generate.writer_threads", "must be >= 1")
         _check(self.pinned_buffer_bytes >= 0, "generate.pinned_buffer_bytes", "must be >= 0")
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")

@@ -171,14 +171,36 @@ def _omp_threads_from_ray() -> bool:
     return os.environ["OMP_NUM_THREADS"] == str(max(int(ctx.get_assigned_resources().get("CPU", 1)), 1))
 
 
+def _shm_free_bytes() -> int:
+    return shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+
+
+def capture_budget(cfg: Config) -> tuple[int, dict[str, Any]]:
+    """(bytes, how it was chosen): `generate.capture_buffer_bytes`, or, when it is None, a quarter of this node's
+    available memory shared among its GPUs, at most half of /dev/shm's free space (where the scratch files go), at
+    least 1 GiB. Sized on the node the engine runs on, so one recipe fits a laptop and an 8-GPU node."""
+    if cfg.generate.capture_buffer_bytes is not None:
+        return cfg.generate.capture_buffer_bytes, {"source": "generate.capture_buffer_bytes"}
+    import psutil
+
+    available = psutil.virtual_memory().available
+    gpus_dir = "/proc/driver/nvidia/gpus"
+    num_gpus = max(1, len(os.listdir(gpus_dir))) if os.path.isdir(gpus_dir) else 1
+    shm_free = _shm_free_bytes()
+    budget = available // 4 // num_gpus
+    if shm_free:
+        budget = min(budget, shm_free // 2)
+    budget = max(budget, 1 << 30)
+    return budget, {"source": "node", "available_bytes": available, "node_gpus": num_gpus, "shm_free_bytes": shm_free}
+
+
 def scratch_dir(cfg: Config, prefix: str) -> str:
     """Where vLLM writes per-request capture files until the writer reads them: private to this actor incarnation
     (pid + random suffix), so replicas and restarts never collide. In RAM (/dev/shm) when it has room for the
     capture budget: the hidden states then reach durable storage once, as shards."""
     root = cfg.generate.scratch_dir
     if root == "auto":
-        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-        root = "/dev/shm" if shm_free >= cfg.generate.capture_buffer_bytes else tempfile.gettempdir()
+        root = "/dev/shm" if _shm_free_bytes() >= capture_budget(cfg)[0] else tempfile.gettempdir()
     remove_dead_scratch(root, prefix)
     os.makedirs(root, exist_ok=True)
     return tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}-", dir=root)
@@ -237,7 +259,9 @@ class EngineActor:
         self.hidden_size = hidden_size = self._hidden_size(verifier_path) if kind != "plain" else 0
         itemsize = 4 if self.cfg.verifier.dtype in ("float32", "float") else 2
         self.bytes_per_token = len(layer_ids) * hidden_size * itemsize  # what the connector writes per token
-        self.budget = ByteBudget(self.cfg.generate.capture_buffer_bytes)
+        budget_bytes, chosen = capture_budget(self.cfg)
+        telemetry.log("generate", "capture_budget", bytes=budget_bytes, **chosen)
+        self.budget = ByteBudget(budget_bytes)
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
         self.requests = RequestLoop(self.engine)
         engine_procs = self._record_pids()

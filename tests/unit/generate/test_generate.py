@@ -516,3 +516,18 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
             assert torch.equal(f.get_tensor(f"{r['id']}.hs"), hidden[r["id"]]) and r["num_tokens"] == 6
             assert r["hidden_size"] == 16 and r["dtype"] == "bfloat16" and len(r["hs_norm_sum"]) == 4
     assert all(c.prepared == () for c in convs)  # the writer let go of every sample's tensors
+
+
+def test_the_capture_budget_is_the_configured_bytes_or_sized_from_this_node(tmp_path):
+    import psutil
+
+    from eagle3_ray.generate import engine
+
+    assert engine.capture_budget(generate_cfg(tmp_path, "unused", capture_buffer_bytes=3 << 30))[0] == 3 << 30
+    budget, chosen = engine.capture_budget(generate_cfg(tmp_path, "unused"))
+    assert chosen["source"] == "node" and chosen["node_gpus"] >= 1
+    expected = chosen["available_bytes"] // 4 // chosen["node_gpus"]
+    if chosen["shm_free_bytes"]:
+        expected = min(expected, chosen["shm_free_bytes"] // 2)
+    assert budget == max(expected, 1 << 30)
+    assert chosen["available_bytes"] <= psutil.virtual_memory().total
