@@ -38,8 +38,8 @@ def pytest_configure(config):
 # Session fixtures that live in tests/support (one Ray head, one S3 server, one converted SmolLM2 per session).
 pytest_plugins = ["tests.support.ray_head", "tests.support.s3", "tests.support.verifiers"]
 
-# Fixtures that start Ray or a vLLM engine: a test of the unit tier must not use them.
-E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine"}
+# Fixtures that start Ray or a vLLM engine, or convert the real model: a test of the unit tier must not use them.
+E2E_FIXTURES = {"ray_session", "ray_head", "vllm_engine", "smollm2_verifier"}
 TIERS = ("unit", "e2e", "gpu")
 
 
