@@ -84,7 +84,14 @@ def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     convs = []
-    for row in tiny_prompts(num_prompts=args.num_prompts):
+    if args.recipe:  # the recipe's first builtin input (ShareGPT for the SmolLM2 recipes), first turns
+        from eagle3_ray.ingest.sources import read_builtin
+
+        source = next(i for i in make_cfg(args, args.work, "generate", 1).ingest.inputs if i.startswith("builtin:"))
+        rows = read_builtin(source, max_rows=4 * args.num_prompts).rows
+    else:
+        rows = tiny_prompts(num_prompts=args.num_prompts)
+    for row in rows[: args.num_prompts]:
         first_user = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
         convs.append(row["messages"][: first_user + 1])
     ids = [
