@@ -15,7 +15,6 @@ the source file's sha256; a directory whose recorded sha256 is not the expected 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3_ray.core.config import Config, UserError
+from eagle3_ray.core.packages import PackageFile
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 
@@ -135,13 +135,7 @@ def named_verifier(spec: NamedVerifier, out_dir: Path | None = None) -> Path:
 
 def source_file(spec: NamedVerifier) -> Path:
     """The GGUF file's path inside the installed wheel (convert_gguf checks it)."""
-    try:
-        dist = importlib.metadata.distribution(spec.package)
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            f"verifier.path={spec.name}: the wheel {spec.package} is not installed; run `{spec.install_hint}`"
-        ) from None
-    return Path(str(dist.locate_file(spec.file)))
+    return PackageFile(spec.package, spec.file, spec.install_hint).locate(f"verifier.path={spec.name}: ")
 
 
 def check_source(spec: NamedVerifier, path: Path) -> None:

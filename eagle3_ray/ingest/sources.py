@@ -20,7 +20,6 @@ its reason, never dropped silently.
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 import zlib
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3_ray.core.config import UserError
+from eagle3_ray.core.packages import PackageFile
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.ingest import formats
 
@@ -36,30 +36,6 @@ PREFIX = "builtin:"
 READ_CHUNK_CHARS = 1 << 20
 # How a HumanEval stub is asked of a chat model (the stub alone reads as text to continue, not as a request).
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a Python code block."
-
-
-@dataclass(frozen=True, slots=True)
-class PackageFile:
-    """A data file inside an installed distribution."""
-
-    package: str
-    file: str
-    install: str
-    """The command that installs it (the fix named in the error when it is missing)."""
-
-    def path(self) -> Path:
-        try:
-            dist = importlib.metadata.distribution(self.package)
-        except importlib.metadata.PackageNotFoundError:
-            raise UserError(f"the package {self.package} is not installed; run `{self.install}`") from None
-        path = Path(str(dist.locate_file(self.file)))
-        if not path.is_file() or path.stat().st_size == 0:
-            state = "is empty (0 bytes)" if path.is_file() else "is missing"
-            raise UserError(f"{path} {state}; reinstall it: `{self.install} --force-reinstall`")
-        return path
-
-    def version(self) -> str:
-        return importlib.metadata.version(self.package)
 
 
 FILES = {

