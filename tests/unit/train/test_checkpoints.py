@@ -73,9 +73,9 @@ def test_checkpoint_loads_in_speculators_from_pretrained_as_it_is(model_and_capt
     # the verifier head and norm come back from the verifier named in config.json, not from the checkpoint
     assert torch.equal(loaded.verifier_lm_head.weight, model.verifier_lm_head.weight)
     assert loaded.config.eagle_aux_hidden_state_layer_ids == capture["aux_layer_ids"]
-    # speculators 0.9.0 leaves the absent embeddings uninitialized (its refill only looks for NaN); load_drafter
-    # refills them from the verifier
-    assert not torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+    # speculators 0.9.0 leaves the absent embeddings uninitialized (its refill only looks for NaN: whatever the
+    # allocator hands back, sometimes a freed copy of the very same weights); load_drafter refills them from the
+    # verifier
     assert torch.equal(checkpoints.load_drafter(str(tmp_path)).embed_tokens.weight, model.embed_tokens.weight)
 
 
