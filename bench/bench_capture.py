@@ -19,9 +19,6 @@ import sys
 import time
 import urllib.request
 
-import pyarrow as pa
-
-from eagle3_ray.core import storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.core.tiny_verifier import build_tiny_verifier
 from eagle3_ray.generate.engine import CONNECTOR_MODULE, CONNECTOR_NAME
@@ -50,33 +47,11 @@ def make_conversations(tokenizer, num: int) -> list[list[dict]]:
 
 
 def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> None:
-    """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
-    from eagle3_ray.core import stage
-    from eagle3_ray.ingest.formats import conversation_id
+    """The bench's conversations as the finished ingest output `cfg` determines, as the ingest stage writes it."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+    from tests.support.ingest_data import write_ingest as write
 
-    def prompt_tokens(c: list[dict]) -> int:
-        return len(tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=False))
-
-    rows = [
-        {
-            "id": conversation_id(c),
-            "messages": c,
-            "source": f"bench:{i}",
-            "num_turns": 1,
-            "num_prompt_tokens": prompt_tokens(c),
-        }
-        for i, c in enumerate(convs)
-    ]
-    table = pa.Table.from_pylist(rows)
-    stage.run(
-        cfg,
-        "ingest",
-        stage.version(cfg, "ingest"),
-        lambda out: (
-            storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table),
-            {"rows_ok": len(rows)},
-        )[1],
-    )
+    write(cfg, tokenizer, convs)
 
 
 def steady_rate(files_tokens: list[tuple[float, int]]) -> float:

@@ -52,38 +52,20 @@ def recipe(work: str, mode: str, verifier: str, num_samples: int, epochs: int) -
 
 
 def write_ingest(cfg, verifier: str, num_samples: int) -> None:
-    """The bench's conversations as the finished ingest output `cfg` determines (stage.run at its version)."""
-    import pyarrow as pa
+    """The bench's conversations (first turns of the builtin prompts) as the finished ingest output `cfg`
+    determines, as the ingest stage writes it."""
     from transformers import AutoTokenizer
 
-    from eagle3_ray.core import stage, storage
     from eagle3_ray.core.prompts import tiny_prompts
-    from eagle3_ray.ingest.formats import conversation_id
 
-    tok = AutoTokenizer.from_pretrained(verifier)
-    rows = []
-    for i, conv in enumerate(tiny_prompts(num_prompts=num_samples)):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
+    from tests.support.ingest_data import write_ingest as write
+
+    convs = []
+    for conv in tiny_prompts(num_prompts=num_samples):
         msgs = [m for m in conv["messages"] if m["role"] != "assistant"][:2]
-        msgs = msgs if msgs[-1]["role"] == "user" else msgs[:1]
-        rows.append(
-            {
-                "id": conversation_id(msgs),
-                "messages": msgs,
-                "source": f"bench:{i}",
-                "num_turns": 1,
-                "num_prompt_tokens": len(tok.apply_chat_template(msgs, add_generation_prompt=True)),
-            }
-        )
-    table = pa.Table.from_pylist(rows)
-    stage.run(
-        cfg,
-        "ingest",
-        stage.version(cfg, "ingest"),
-        lambda out: (
-            storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table),
-            {"rows_ok": len(rows)},
-        )[1],
-    )
+        convs.append(msgs if msgs[-1]["role"] == "user" else msgs[:1])
+    write(cfg, AutoTokenizer.from_pretrained(verifier), convs)
 
 
 def child(args: argparse.Namespace) -> None:
