@@ -27,6 +27,10 @@ def pytest_configure(config):
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "RAY_USAGE_STATS_ENABLED": "0",
+            # vLLM's usage report runs py-cpuinfo in a subprocess from a daemon thread; still spawning at interpreter
+            # exit, that thread is unwound through Ray's C++ terminate handler, which aborts pytest after the summary.
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
             "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
