@@ -19,6 +19,7 @@ vLLM (CPU build) load:
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -53,15 +54,9 @@ Arch = Literal["llama", "qwen3", "deepseek_v3", "kimi"]
 ARCHS = ("llama", "qwen3", "deepseek_v3", "kimi")
 
 
-def _training_files(limit: int = 168) -> list[str]:
-    stdlib = sysconfig.get_paths()["stdlib"]
-    return sorted(glob.glob(os.path.join(stdlib, "*.py")))[:limit]
-
-
-def build_tokenizer(vocab_size: int = 4096):
-    """A byte-level BPE tokenizer trained on the standard library's top-level modules (about a second)."""
+@functools.lru_cache(maxsize=4)
+def _trained_bpe(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -73,6 +68,21 @@ def build_tokenizer(vocab_size: int = 4096):
         show_progress=False,
     )
     tok.train(_training_files(), trainer)
+    return tok.to_str()
+
+
+def _training_files(limit: int = 168) -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return sorted(glob.glob(os.path.join(stdlib, "*.py")))[:limit]
+
+
+def build_tokenizer(vocab_size: int = 4096):
+    """A byte-level BPE tokenizer trained on the standard library's top-level modules (about a second, once per
+    process and vocab size: the training is deterministic)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|pad|>"
     )

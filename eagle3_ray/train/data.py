@@ -27,6 +27,7 @@ two bf16 reductions (~60 ms) and the batch is written once, straight into shared
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
@@ -34,6 +35,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -327,6 +329,9 @@ class BatchRing:
         ]  # pages are allocated on first touch, once
         self.turn = torch.empty(0, dtype=torch.int64).set_(torch.UntypedStorage._new_shared(8 * self.num_slots))
         self.turn.copy_(torch.arange(self.num_slots) % slots_per_worker)
+        # Set by close(): a worker waiting for a slot gives up at once, so shutting the loader down does not wait
+        # out DataLoader's worker join timeout (5 s a worker) for workers parked on slots nobody will release.
+        self.closed = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._populated: set[int] = set()  # this process's slots with their pages mapped
 
     def _slot(self, worker: int, n: int) -> int:
@@ -336,6 +341,8 @@ class BatchRing:
         """Worker `worker`'s slot for its batch `n`, once its batch n - slots_per_worker was released."""
         slot, deadline = self._slot(worker, n), time.monotonic() + self.timeout_s
         while (turn := int(self.turn[slot])) < n:
+            if int(self.closed[0]):
+                raise RuntimeError(f"loader batch buffer {slot}: the loader was closed while batch {n} waited")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"loader batch buffer {slot} still holds batch {turn} of worker {worker} after "
@@ -349,6 +356,10 @@ class BatchRing:
             self._populated.add(slot)
             _populate(self.slots[slot])
         return _SlotWriter(self.slots[slot])
+
+    def close(self) -> None:
+        """No batch will be released any more: workers stop waiting for slots."""
+        self.closed[0] = 1
 
     def release(self, worker: int, n: int) -> None:
         """Worker `worker`'s batch `n` is no longer read: its slot goes to batch n + slots_per_worker."""
@@ -579,6 +590,13 @@ class RingLoader:
         if tag is not None:
             self.ring.release(*tag)
 
+    def close(self) -> None:
+        """Done with this loader: workers waiting for a slot stop now (its worker processes end with it)."""
+        self.ring.close()
+
+    def __del__(self) -> None:
+        self.ring.close()
+
 
 def make_loader(
     dataset: ShardDataset,
@@ -627,4 +645,25 @@ def make_loader(
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
+    if num_workers > 0:
+        _LIVE_LOADERS.add(loader)
     return loader if ring is None else RingLoader(loader, ring, sampler)
+
+
+# Loaders with worker processes, for shut_down_loaders.
+_LIVE_LOADERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def shut_down_loaders() -> None:
+    """End the worker processes of every loader make_loader made in this process that is still alive, at once.
+    Runs at exit; call it when done with loaders that may sit in reference cycles. A DataLoader iterator left to the
+    cycle collector (or to the interpreter's teardown) can have its queues finalized before itself, and its
+    shutdown then waits out a 5 s poll per worker before DataLoader's join gives up on it."""
+    for loader in list(_LIVE_LOADERS):
+        ring = getattr(loader.collate_fn, "ring", None)
+        if ring is not None:
+            ring.close()
+        iterator, loader._iterator = loader._iterator, None
+        if hasattr(iterator, "_shutdown_workers"):  # idempotent, what the iterator's own __del__ calls
+            iterator._shutdown_workers()

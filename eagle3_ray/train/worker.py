@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import types
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,7 +264,9 @@ class _LoaderRun:
     (DeviceBatches._produce); on the CPU the batch handed out last is released when the next one is asked for."""
 
     def __init__(self, owner: DeviceBatches, epoch: int):
-        self.owner, self.epoch, self.cuda = owner, epoch, owner.device.type == "cuda"
+        # A weak reference: DeviceBatches holds its run, so a strong one back would make a cycle, and a DataLoader
+        # left to the cycle collector can be finalized queues first, its workers then waiting out a 5 s poll each.
+        self.owner, self.epoch, self.cuda = weakref.proxy(owner), epoch, owner.device.type == "cuda"
         self.end = max(epoch + 1, owner.batch_sampler.end or 0)  # the epochs it gives: epoch .. end - 1
         batches = iter(owner.loader)  # the loader's workers start on this epoch's first batches now
         self.held: dict | None = None

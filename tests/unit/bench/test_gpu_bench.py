@@ -128,12 +128,12 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
 
     script = tmp_path / "spin.py"
     script.write_text("while True:\n    pass\n")
-    sampler = CpuSampler(interval_s=0.5)
+    sampler = CpuSampler(interval_s=0.2)
     child = subprocess.Popen([sys.executable, str(script)])
     try:  # the window lies inside the child's life, so every sample in it sees the child running
-        time.sleep(0.5)
+        time.sleep(0.3)
         start = time.time()
-        time.sleep(3)
+        time.sleep(1.2)
         got = sampler.cores(start, time.time())
     finally:
         child.kill()

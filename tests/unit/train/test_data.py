@@ -272,7 +272,7 @@ def test_reused_batch_buffers_wrap_many_times_and_a_held_batch_is_never_overwrit
         assert len(expected) > 2 * ring.ring.num_slots  # every worker's slots wrap at least twice an epoch
         for i, (want, got) in enumerate(zip(expected, ring, strict=True)):
             if i % 3 == 0:  # held a while: the workers run ahead into every other slot meanwhile
-                time.sleep(0.1)
+                time.sleep(0.03)
             _assert_batches_equal(got, want)
             ring.release(got)
         if epoch == 1:  # an early stop: the batches the DataLoader drops are released by the next iteration
