@@ -256,22 +256,6 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
     assert max_relative_error(out, tiny_llama, torch.float32) < 0.05
 
 
-def test_killed_job_resumes_with_every_sample_exactly_once_and_no_orphan_shards(tmp_path, tiny_llama, ray_session):
-    cfg = generate_cfg(tmp_path, tiny_llama, mode="capture_only", max_batch_tokens=120)
-    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
-    out = _out_dir_while_running(cfg)
-    job = _start_stage_job(cfg)
-    try:
-        _engine_core_pid(out)
-    finally:
-        _kill_session(job.pid)
-    assert not storage.is_complete(out) and list(Path(out, "parts").glob("*.parquet"))
-    summary = run(cfg)
-    assert summary["rows_ok"] == table.num_rows
-    assert_every_sample_exactly_once(out, table)
-    assert max_relative_error(out, tiny_llama, torch.bfloat16) < 1e-2
-
-
 def _kill_session(sid: int) -> None:
     """SIGKILL the job we started and everything in its session (its local Ray and engines), again until none is
     left: a process may end on its own between the listing and the kill, or be started by one not yet killed."""

@@ -1,17 +1,12 @@
 """The pipeline as users run it on a cluster: `ray job submit` to a real `ray start --head` (token auth on), watched
-through the dashboard's REST API, its run dir on an S3-compatible server; a stopped job resumes when resubmitted
-under the same run name."""
+through the dashboard's REST API, its run dir on an S3-compatible server, stopped mid-generate and resubmitted under
+the same run name, which resumes it (one run: tests/support/ray_head.py's pipeline_job)."""
 
 from __future__ import annotations
 
-import time
-
-import pyarrow.parquet as pq
 import pytest
 
-pytest.register_assert_rewrite("helpers_ray_head")  # it is a plugin too; rewrite its asserts
-from eagle3_ray.core import storage  # noqa: E402
-from tests.support.ray_head import latest_path, pipeline_entrypoint, run_job  # noqa: E402
+from eagle3_ray.core import shards, storage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -63,39 +58,25 @@ def test_dashboard_train_view_lists_the_training_run(ray_head, pipeline_job):
     assert names, f"no Train runs reported (is RAY_TRAIN_ENABLE_STATE_TRACKING=1 reaching the controller?): {runs}"
 
 
-def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(ray_head):
-    storage_path = ray_head.temp_dir / "runs"
-    run_dir = storage_path / "stopped"
-    # One sample per generate unit (each unit commits on its own), two units in flight (the stop lands with a unit
-    # half done), 48 builtin prompts with 96-token answers. The stop goes through the Jobs REST API (what
-    # `ray job stop` calls) the moment the first part lands: CI once finished all 120 units in the seconds the
-    # `ray job stop` CLI took to start.
-    entrypoint = pipeline_entrypoint(
-        storage_path,
-        "stopped",
-        "ingest.max_rows=48",
-        "generate.max_batch_tokens=160",
-        "generate.max_tokens=96",
-        "generate.units_in_flight=2",
-        "--stages",
-        "ingest,generate",
-    )
-    ray_head.submit("eagle3-stop-1", *entrypoint)
-    deadline = time.monotonic() + 600
-    while not list(run_dir.glob("generate/*/parts/*.parquet")):
-        assert time.monotonic() < deadline, ray_head.logs("eagle3-stop-1")[-4000:]
-        assert ray_head.job("eagle3-stop-1")["status"] in ("PENDING", "RUNNING"), ray_head.logs("eagle3-stop-1")
-        time.sleep(0.05)
-    assert ray_head.post("/api/jobs/eagle3-stop-1/stop")["stopped"]
-    assert ray_head.wait("eagle3-stop-1", {"STOPPED"}, timeout_s=120)["status"] == "STOPPED"
-    assert not (run_dir / "generate" / "LATEST.json").exists(), "the job finished before it was stopped"
-
-    resumed = run_job(ray_head, "eagle3-stop-2", entrypoint, run_dir)
-    assert "[eagle3 pipeline] resumed" in resumed.logs
-    generated = latest_path(run_dir, "generate")
-    manifest_ids = pq.read_table(generated / "manifest.parquet", columns=["id"]).column(0).to_pylist()
-    conversation_ids = pq.read_table(generated / "conversations.parquet", columns=["id"]).column(0).to_pylist()
-    ingested = pq.read_table(latest_path(run_dir, "ingest") / "conversations.parquet", columns=["id"])
+def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(pipeline_job, s3_env):
+    """The session's job was stopped mid-generate and resubmitted: the second run resumes, and every ingested sample
+    ends up exactly once in the manifest or the rejects, each in a shard that reads back whole, with no orphan shard
+    or temporary file left by the stopped run."""
+    assert "[eagle3 pipeline] resumed" in pipeline_job.logs
+    assert "[eagle3 pipeline] done" not in pipeline_job.stopped_logs
+    generated = storage.latest(pipeline_job.run_dir, "generate")["path"]
+    manifest = storage.read_parquet(storage.join(generated, "manifest.parquet")).to_pylist()
+    manifest_ids = [r["id"] for r in manifest]
+    conversation_ids = storage.read_parquet(storage.join(generated, "conversations.parquet"), ["id"])
+    conversation_ids = conversation_ids.column(0).to_pylist()
     assert len(manifest_ids) == len(set(manifest_ids)) == len(conversation_ids) == len(set(conversation_ids))
-    rejected = pq.read_table(generated / "rejects.parquet", columns=["id"]).column(0).to_pylist()
+    ingested = storage.read_parquet(
+        storage.join(storage.latest(pipeline_job.run_dir, "ingest")["path"], "conversations.parquet"), ["id"]
+    )
+    rejected = storage.read_parquet(storage.join(generated, "rejects.parquet"), ["id"]).column(0).to_pylist()
     assert set(conversation_ids) | set(rejected) == set(ingested.column(0).to_pylist())
+    shard_files = {uri.rsplit("/", 1)[1] for uri in storage.list_files(storage.join(generated, "shards"))}
+    assert shard_files == {r["shard"] for r in manifest}, "orphan or missing shard"
+    assert not [uri for uri in storage.list_files(generated) if ".tmp-" in uri]
+    for r in manifest:
+        assert shards.read_sample(storage.join(generated, "shards", r["shard"]), r["key"]).shape[0] == r["num_tokens"]

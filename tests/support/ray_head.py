@@ -255,6 +255,7 @@ class FinishedJob:
     run_dir: Path | str | None
     metrics: list[tuple[str, dict[str, str], float]]
     elapsed_s: float
+    stopped_logs: str = ""
 
 
 def run_job(
@@ -316,16 +317,46 @@ def latest_path(run_dir: Path, stage: str) -> Path:
     return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"].removeprefix("file://"))
 
 
+# The stop must land while generate still has units to come: one sample per unit, two in flight, 32 samples.
+STOPPABLE = [
+    "ingest.max_rows=32",
+    "generate.max_tokens=48",
+    "generate.max_batch_tokens=120",
+    "generate.units_in_flight=2",
+]
+
+
 @pytest.fixture(scope="session")
 def pipeline_job(ray_head, s3_server) -> FinishedJob:
-    """The whole tiny pipeline, submitted once per session (the metrics and object-store tests read the same run),
-    with its run dir on the loopback S3 server: every stage reads and writes it through pyarrow's filesystems, and
-    Ray Train's checkpoints go there too. Read it in a test through the `s3_env` fixture."""
+    """The whole tiny pipeline as users run it, once per session (the job, metrics and object-store tests read the
+    same run): its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's filesystems,
+    Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what `ray job stop` calls)
+    the moment generate's first unit commits, then resubmitted under the same run name, which resumes it. Returns
+    the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test through `s3_env`."""
+    from eagle3_ray.core import storage
+
     storage_path = f"s3://{s3_server.bucket}/runs"
-    return run_job(
-        ray_head,
-        "eagle3-full",
-        pipeline_entrypoint(storage_path, "full"),
-        f"{storage_path}/full",
-        env_vars=s3_server.env,
-    )
+    run_dir = f"{storage_path}/full"
+    entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in s3_server.env.items():
+            env.setenv(key, value)
+        ray_head.submit("eagle3-full-stopped", *entrypoint, env_vars=s3_server.env)
+        deadline = time.monotonic() + 600
+        while not any(storage.list_files(f"{run_dir}/generate/{v}/parts", ".parquet") for v in _versions(run_dir)):
+            assert time.monotonic() < deadline, ray_head.logs("eagle3-full-stopped")[-4000:]
+            status = ray_head.job("eagle3-full-stopped")["status"]
+            assert status in ("PENDING", "RUNNING"), ray_head.logs("eagle3-full-stopped")[-4000:]
+            time.sleep(0.1)
+        assert ray_head.post("/api/jobs/eagle3-full-stopped/stop")["stopped"]
+        assert ray_head.wait("eagle3-full-stopped", {"STOPPED"}, timeout_s=120)["status"] == "STOPPED"
+        assert not storage.exists(f"{run_dir}/generate/LATEST.json"), "the job finished before it was stopped"
+    job = run_job(ray_head, "eagle3-full", entrypoint, run_dir, env_vars=s3_server.env)
+    job.stopped_logs = ray_head.logs("eagle3-full-stopped")
+    return job
+
+
+def _versions(run_dir: str) -> list[str]:
+    from eagle3_ray.core import storage
+
+    return storage.list_dirs(f"{run_dir}/generate")
