@@ -590,12 +590,8 @@ class RingLoader:
         if tag is not None:
             self.ring.release(*tag)
 
-    def close(self) -> None:
-        """Done with this loader: workers waiting for a slot stop now (its worker processes end with it)."""
-        self.ring.close()
-
     def __del__(self) -> None:
-        self.ring.close()
+        self.ring.close()  # workers waiting for a slot stop now: no batch will be released any more
 
 
 def make_loader(

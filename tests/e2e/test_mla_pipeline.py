@@ -12,7 +12,6 @@ KV cache, so MLA on the verifier side changes nothing in the drafter.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +66,7 @@ AUX, FINAL = [1, 3, 4], 6
 # use the recipe as it is.
 
 
-def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
+def run_entry_point(base: Path, stages: str) -> str:
     """`python ray_jobs/pipeline.py` on the recipe (its own local Ray), as a user runs it; returns the job log."""
     cmd = [
         sys.executable,
@@ -79,7 +78,7 @@ def run_entry_point(base: Path, stages: str, env: dict[str, str]) -> str:
         "--stages",
         stages,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -90,7 +89,7 @@ def kimi_run(tmp_path_factory):
     with vLLM's MLA kernels, then evaluation (see engine.drafter_attention_env), both with vLLM's PyTorch rotary
     (engine.with_cpu_rotary_fix)."""
     base = tmp_path_factory.mktemp("mla")
-    logs = run_entry_point(base, "ingest,generate,train,export,evaluate", {})
+    logs = run_entry_point(base, "ingest,generate,train,export,evaluate")
     run_dir = str(base / "kimi")
     stages = ("ingest", "generate", "train", "export", "evaluate")
     latest = {stage: storage.latest(run_dir, stage)["path"] for stage in stages}

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from eagle3_ray.core import storage
 from tests.support import REPO
 from tests.support.processes import kill_processes
 
@@ -313,10 +314,6 @@ def pipeline_entrypoint(storage_path: Path | str, name: str, *extra: str) -> lis
     ]
 
 
-def latest_path(run_dir: Path, stage: str) -> Path:
-    return Path(json.loads((run_dir / stage / "LATEST.json").read_text())["path"].removeprefix("file://"))
-
-
 # The stop must land while generate still has units to come: one sample per unit, two in flight, 32 samples.
 STOPPABLE = [
     "ingest.max_rows=32",
@@ -333,8 +330,6 @@ def pipeline_job(ray_head, s3_server) -> FinishedJob:
     Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what `ray job stop` calls)
     the moment generate's first unit commits, then resubmitted under the same run name, which resumes it. Returns
     the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test through `s3_env`."""
-    from eagle3_ray.core import storage
-
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full"
     entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
@@ -343,7 +338,8 @@ def pipeline_job(ray_head, s3_server) -> FinishedJob:
             env.setenv(key, value)
         ray_head.submit("eagle3-full-stopped", *entrypoint, env_vars=s3_server.env)
         deadline = time.monotonic() + 600
-        while not any(storage.list_files(f"{run_dir}/generate/{v}/parts", ".parquet") for v in _versions(run_dir)):
+        generate = f"{run_dir}/generate"
+        while not any(storage.list_files(f"{generate}/{v}/parts", ".parquet") for v in storage.list_dirs(generate)):
             assert time.monotonic() < deadline, ray_head.logs("eagle3-full-stopped")[-4000:]
             status = ray_head.job("eagle3-full-stopped")["status"]
             assert status in ("PENDING", "RUNNING"), ray_head.logs("eagle3-full-stopped")[-4000:]
@@ -354,9 +350,3 @@ def pipeline_job(ray_head, s3_server) -> FinishedJob:
     job = run_job(ray_head, "eagle3-full", entrypoint, run_dir, env_vars=s3_server.env)
     job.stopped_logs = ray_head.logs("eagle3-full-stopped")
     return job
-
-
-def _versions(run_dir: str) -> list[str]:
-    from eagle3_ray.core import storage
-
-    return storage.list_dirs(f"{run_dir}/generate")
