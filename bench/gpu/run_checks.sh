@@ -134,6 +134,10 @@ for stage in ("generate", "train", "export", "evaluate"):
     for name in ("metrics.jsonl", "report.md", "results.json"):
         if storage.exists(storage.join(path, name)):
             shutil.copy(storage.join(path, name), f"{out}/{stage}_{name}")
+    if stage == "generate":  # the regenerated conversations (text only): a later run can capture them (capture_only)
+        table = storage.read_parquet(storage.join(path, "conversations.parquet"), columns=["id", "messages"])
+        import pyarrow.parquet as pq
+        pq.write_table(table, f"{out}/generate_conversations.parquet", compression="zstd", compression_level=19)
 PY
 }
 

@@ -423,6 +423,11 @@ class EvaluateConfig:
     """`both`: MT-Bench's two turns. Every prompt needs `turns: [first, second]`; the second turn is sent after the
     model's own first answer (plain greedy decoding at the lowest concurrency), the same token ids for every engine,
     and the report splits speedup and acceptance by turn. `first`: the first turn only."""
+    contract_prompts: int = 16
+    """Prompts of the run's own validation split (the conversations `train.val_fraction` kept out of training) that
+    each drafter engine also decodes, at the highest concurrency and `max_tokens`, after its measurement.
+    vLLM's acceptance there is compared with training's replay, which was computed on that split: a gap there is a
+    serving-contract problem, while a gap on `prompts` alone is the prompts being unlike the training data. 0: off."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `vllm.LLM`, the same for both engines (e.g. enforce_eager, kv_cache_memory_bytes)."""
     num_cpus_per_engine: float = 1.0
@@ -433,6 +438,7 @@ class EvaluateConfig:
     def __post_init__(self) -> None:
         _check(self.num_prompts > 0, "evaluate.num_prompts", "must be > 0")
         _check(self.max_tokens > 0, "evaluate.max_tokens", "must be > 0")
+        _check(self.contract_prompts >= 0, "evaluate.contract_prompts", "must be >= 0")
         _check(
             len(self.num_speculative_tokens) > 0 and all(k >= 1 for k in self.num_speculative_tokens),
             "evaluate.num_speculative_tokens",

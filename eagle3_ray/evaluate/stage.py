@@ -123,6 +123,30 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
     return {"num_train_conversations": len(train_ids), "training_data": training_data_dir}
 
 
+def validation_prompts(cfg: Config, training_data_dir: str) -> list[dict[str, Any]]:
+    """The first `evaluate.contract_prompts` conversations of the run's validation split (train/split.json, sorted
+    ids), as prompts `{"id", "messages"}` up to their first user turn: training's replay estimate was computed on
+    this split, so vLLM's acceptance on it checks the serving contract apart from any shift in the prompts."""
+    if cfg.evaluate.contract_prompts == 0:
+        return []
+    split = storage.read_json(storage.join(stage.input_dir(cfg, "train"), "split.json"))
+    wanted = split["val_ids"][: cfg.evaluate.contract_prompts]
+    table = storage.read_parquet(storage.join(training_data_dir, "conversations.parquet"), columns=["id", "messages"])
+    by_id = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist(), strict=True))
+    missing = [i for i in wanted if i not in by_id]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} validation id(s) of train/split.json are not in {training_data_dir}, e.g. {missing[:3]}: "
+            "the training data changed after training"
+        )
+    prompts = []
+    for i in wanted:
+        messages = [{"role": m["role"], "content": m["content"]} for m in by_id[i]]
+        first_user = next(j for j, m in enumerate(messages) if m["role"] == "user")
+        prompts.append({"id": i, "messages": messages[: first_user + 1]})
+    return prompts
+
+
 def prompt_groups(
     prompts: list[dict[str, Any]], concurrency: int, *, turn: int = 1, offset: int = 0
 ) -> list[dict[str, Any]]:
@@ -263,10 +287,19 @@ def run_engine(
     prompts: list[dict[str, Any]] | None = None,
     *,
     turns: tuple[int, ...] = (1,),
+    contract_prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Start one engine actor, measure every concurrency level, stop it. Returns aux ids and one run per level."""
+    """Start one engine actor, measure every concurrency level, stop it. Returns aux ids and one run per level; with
+    `contract_prompts` (token prompts of the run's validation split), also their decode at the highest concurrency
+    and `evaluate.max_tokens`, under `contract`."""
+    import ray
+
     with engine_actor(cfg, args) as (actor, info):
-        return {"speculative": info, "runs": measure_levels(cfg, actor, token_prompts, prompts, turns=turns)}
+        out = {"speculative": info, "runs": measure_levels(cfg, actor, token_prompts, prompts, turns=turns)}
+        if contract_prompts:
+            c = max(cfg.evaluate.concurrency)
+            out["contract"] = ray.get(actor.measure.remote(contract_prompts, c, cfg.evaluate.max_tokens))
+        return out
 
 
 def concat_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -308,10 +341,11 @@ def measure_all(
     token_prompts: list[list[int]],
     capture: dict[str, Any],
     capture_where: str,
+    contract_prompts: list[list[int]] | None = None,
 ) -> dict[str, Any]:
     """Plain decoding, then each draft length; returns the rows, what vLLM resolved for the drafter, plain
     decoding's own batch-shape noise (`plain_noise_floor`) and the acceptance training predicted next to what vLLM
-    measured (`predicted_vs_measured`)."""
+    measured (`predicted_vs_measured`), on `prompts` and on the validation split's `contract_prompts`."""
     check_serving_vllm(drafter_dir, capture)
     base, all_prompts = plain_runs(cfg, verifier_dir, prompts, token_prompts)
     turns = (1, 2) if cfg.evaluate.turns == "both" else (1,)
@@ -319,10 +353,13 @@ def measure_all(
     labels = [{"prompt": prompts[i % n]["id"], "turn": 1 + i // n} for i in range(len(all_prompts))]
     rows = [report.baseline_row(c, run) for c, run in base.items()]
     tie = identity.TIE_MARGIN_NATS[cfg.verifier.dtype]
-    infos = {}
+    infos, contract_runs = {}, {}
     for k in cfg.evaluate.num_speculative_tokens:
-        spec = run_engine(cfg, engine_args(cfg, verifier_dir, drafter_dir, k), all_prompts, prompts, turns=turns)
+        args = engine_args(cfg, verifier_dir, drafter_dir, k)
+        spec = run_engine(cfg, args, all_prompts, prompts, turns=turns, contract_prompts=contract_prompts)
         infos[k] = spec["speculative"]
+        if "contract" in spec:
+            contract_runs[k] = spec["contract"]["spec"]
         contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
         for c, run in spec["runs"].items():
             ref = base[c]["reference"]
@@ -331,8 +368,8 @@ def measure_all(
             rows.append(report.spec_row(k, c, run, base[c], base[min(base)], items, labels))
         log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
     aux_ids = {k: info["aux_layer_ids"] for k, info in infos.items()}
-    check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos)
-    for item in (c for c in check if c["flagged"]):
+    check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos, contract_runs)
+    for item in (c for c in check if c["message"] and c["predicted_acceptance_length"] is not None):
         log(STAGE, "prediction_gap", num_speculative_tokens=item["num_speculative_tokens"], message=item["message"])
     low, high = base[min(base)]["reference"], base[max(base)]["reference"]
     floor = identity.noise_floor(low["outputs"], high["outputs"], low["margins"])
@@ -369,10 +406,16 @@ def training_metrics(drafter_dir: str) -> dict[str, Any]:
 
 
 def predicted_vs_measured(
-    metrics: dict[str, Any], rows: list[dict[str, Any]], infos: dict[int, dict[str, Any]]
+    metrics: dict[str, Any],
+    rows: list[dict[str, Any]],
+    infos: dict[int, dict[str, Any]],
+    contract_runs: dict[int, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per draft length: training's replay of vLLM's chain (acceptance.py) next to vLLM's measurement. A gap in
-    mean acceptance length above PREDICTION_TOLERANCE is flagged as a likely contract problem, naming what to check."""
+    """Per draft length: training's replay of vLLM's chain (acceptance.py) next to vLLM's measurement on the
+    evaluation prompts and, where `contract_runs` has the draft length (spec counters of the validation split's
+    decode), on the prompts the replay was computed on. A gap above PREDICTION_TOLERANCE on the validation prompts,
+    or on the evaluation prompts when there is no validation decode, is flagged as a likely contract problem naming
+    what to check; a gap on the evaluation prompts alone is reported as distribution shift."""
     out = []
     for k, info in infos.items():
         measured, measured_pos = report.measured_acceptance(rows, k)
@@ -384,29 +427,48 @@ def predicted_vs_measured(
             "predicted_acceptance_length": predicted,
             "predicted_per_position": [metrics.get(f"val_replay_acc_k{k}_{j}") for j in range(k)],
             "gap": None if predicted is None else measured - predicted,
+            "validation": None,
             "flagged": False,
             "message": None,
         }
+        own = (contract_runs or {}).get(k)
+        if own is not None:
+            n = max(own["num_drafts"], 1)
+            own_len = 1.0 + own["num_accepted_tokens"] / n
+            item["validation"] = {
+                "measured_acceptance_length": own_len,
+                "measured_per_position": [a / n for a in own["accepted_per_pos"]],
+                "gap": None if predicted is None else own_len - predicted,
+            }
         if predicted is None:
             item["message"] = (
                 f"k={k}: no prediction: the checkpoint's validation has no "
                 f"val_replay_acceptance_length_k{k} (trained with fewer ttt_steps, or before the "
                 "replay existed)"
             )
+        elif own is not None and abs(item["validation"]["gap"]) > PREDICTION_TOLERANCE:
+            item.update(flagged=True, message=_gap_message(k, predicted, own_len, info, "the run's validation prompts"))
+        elif own is None and abs(item["gap"]) > PREDICTION_TOLERANCE:
+            item.update(flagged=True, message=_gap_message(k, predicted, measured, info, "the evaluation prompts"))
         elif abs(item["gap"]) > PREDICTION_TOLERANCE:
-            item.update(flagged=True, message=_gap_message(k, predicted, measured, info))
+            item["message"] = (
+                f"k={k}: distribution shift: on the run's validation prompts vLLM measured {own_len:.3f} against "
+                f"training's replay {predicted:.3f}, so drafter and vLLM agree, but on the evaluation prompts it "
+                f"measured {measured:.3f} (gap {item['gap']:+.3f}): they are unlike the training data, and "
+                "training's estimate does not carry over to them; train on prompts like them"
+            )
         out.append(item)
     return out
 
 
-def _gap_message(k: int, predicted: float, measured: float, info: dict[str, Any]) -> str:
+def _gap_message(k: int, predicted: float, measured: float, info: dict[str, Any], where: str) -> str:
     return (
-        f"k={k}: vLLM measured mean acceptance length {measured:.3f}, training's replay predicted {predicted:.3f} "
-        f"(gap {measured - predicted:+.3f}, tolerance {PREDICTION_TOLERANCE}): likely a contract problem. Check "
-        f"the aux layer ids vLLM feeds the drafter ({info['aux_layer_ids']}) against the capture, the drafter "
-        f"flags as this vLLM reads them ({info['drafter_flags']}; contract.SERVING_VLLM), and that the "
-        "prompts go through the verifier's chat template as in training; a held-out set unlike the training "
-        "data also opens a gap"
+        f"k={k}: vLLM measured mean acceptance length {measured:.3f} on {where}, training's replay predicted "
+        f"{predicted:.3f} (gap {measured - predicted:+.3f}, tolerance {PREDICTION_TOLERANCE}): likely a contract "
+        f"problem. Check the aux layer ids vLLM feeds the drafter ({info['aux_layer_ids']}) against the capture, "
+        f"the drafter flags as this vLLM reads them ({info['drafter_flags']}; contract.SERVING_VLLM), and that the "
+        "prompts go through the verifier's chat template as in training"
+        + ("; a held-out set unlike the training data also opens a gap" if where == "the evaluation prompts" else "")
     )
 
 
@@ -427,12 +489,14 @@ def run(cfg: Config) -> dict[str, Any]:
     not part of the version) and write the report."""
     export_dir = stage.input_dir(cfg, "export")
     prompts = load_prompts(cfg)
-    held_out = check_held_out(prompts, stage.input_dir(cfg, "ingest" if cfg.train.source == "online" else "generate"))
+    training_data_dir = stage.input_dir(cfg, "ingest" if cfg.train.source == "online" else "generate")
+    held_out = check_held_out(prompts, training_data_dir)
+    own = validation_prompts(cfg, training_data_dir)
     summary = stage.run(
         cfg,
         STAGE,
         version(cfg),
-        lambda out: _measure(cfg, export_dir, prompts, held_out, out),
+        lambda out: _measure(cfg, export_dir, prompts, held_out, own, out),
         inputs={"export": export_dir},
     )
     results = {**storage.read_json(storage.join(summary["path"], "results.json")), "version": summary["version"]}
@@ -442,7 +506,12 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def _measure(
-    cfg: Config, export_dir: str, prompts: list[dict[str, Any]], held_out: dict[str, Any], out_dir: str
+    cfg: Config,
+    export_dir: str,
+    prompts: list[dict[str, Any]],
+    held_out: dict[str, Any],
+    own: list[dict[str, Any]],
+    out_dir: str,
 ) -> dict[str, Any]:
     from eagle3_ray.core.raycluster import (
         ensure_ray,  # imports ray: only where engines start (ray reads auth at import)
@@ -454,6 +523,7 @@ def _measure(
     drafter_dir = storage.join(export_dir, "speculators")  # each engine actor copies it to its own node
     contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
     token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)
+    own_tokens = _tokenize(verifier_dir, own, cfg.verifier.trust_remote_code) if own else []
     if cfg.evaluate.turns == "both":
         check_second_turn_fits(_tokenizer(verifier_dir, cfg.verifier.trust_remote_code), prompts, cfg)
     ensure_ray(cfg.run)
@@ -467,7 +537,8 @@ def _measure(
         "max_tokens": cfg.evaluate.max_tokens,
         "turns": cfg.evaluate.turns,
         "capture_aux_layer_ids": capture["aux_layer_ids"],
-        **measure_all(cfg, verifier_dir, drafter_dir, prompts, token_prompts, capture, capture_where),
+        "validation_prompt_ids": [p["id"] for p in own],
+        **measure_all(cfg, verifier_dir, drafter_dir, prompts, token_prompts, capture, capture_where, own_tokens),
     }
     storage.write_json_atomic(storage.join(out_dir, "results.json"), results)
     return {"num_prompts": len(prompts), "drafter_dir": drafter_dir}

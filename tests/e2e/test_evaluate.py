@@ -285,7 +285,22 @@ def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_
     }
     [item] = results["predicted_vs_measured"]
     assert item["num_speculative_tokens"] == 3 and item["measured_acceptance_length"] > 1.0
+    assert item["validation"]["measured_acceptance_length"] > 1.0  # the drafter's own validation prompts, decoded
     assert len(item["measured_per_position"]) == 3 and "k=3: mean acceptance length predicted" in report.summary_table(
         results
     )
     assert "Predicted (training's replay of vLLM's chain" in (Path(trained["out_dir"]) / "report.md").read_text()
+
+
+def test_acceptance_on_the_runs_validation_prompts_matches_the_replay_on_them(trained, tiny_llama):
+    cfg = make_cfg(trained["run_dir"], tiny_llama)
+    gen_dir = storage.latest(str(trained["run_dir"]), "generate")["path"]
+    own = evaluate.validation_prompts(cfg, gen_dir)
+    split = json.loads(next(Path(trained["run_dir"], "train").glob("*/split.json")).read_text())
+    assert [p["id"] for p in own] == trained["results"]["validation_prompt_ids"] == split["val_ids"]
+    assert all([m["role"] for m in p["messages"]][-1] == "user" for p in own)
+    predicted = replay_on_prompts(tiny_llama, trained["results"]["drafter_dir"], own, cfg.evaluate.max_tokens, 3)
+    [item] = trained["results"]["predicted_vs_measured"]
+    measured = item["validation"]["measured_acceptance_length"]
+    print(f"validation prompts, k=3: replay {predicted['val_replay_acceptance_length_k3']:.3f} vLLM {measured:.3f}")
+    assert abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05

@@ -14,6 +14,7 @@ import torch
 from tests.support.generate_output import build_generate_output
 
 NUM_TRAIN_PROMPTS = 12
+NUM_VAL_PROMPTS = 4  # generated with the others, left out of training and named in train/split.json
 
 
 def train_tiny_drafter(
@@ -28,15 +29,18 @@ def train_tiny_drafter(
     num_epochs: int = 1,
 ) -> Path:
     """Train a drafter for `num_steps` per epoch (0: untrained), save one checkpoint per epoch with the project's
-    checkpoints.save, write train/LATEST.json; the generate output it trained on (the builtin train prompts) is
-    generate/LATEST. Returns the last checkpoint dir."""
+    checkpoints.save, write train/LATEST.json; the generate output (the builtin train prompts: NUM_TRAIN_PROMPTS
+    trained on, then NUM_VAL_PROMPTS held out as the validation split) is generate/LATEST. Returns the last
+    checkpoint dir."""
     from eagle3_ray.core import storage
     from eagle3_ray.core.config import config_from_dict
     from eagle3_ray.core.prompts import tiny_prompts
+    from eagle3_ray.ingest.formats import conversation_id
     from eagle3_ray.train import data, vocab, worker
 
     torch.manual_seed(seed)
-    conversations = tiny_prompts(split="train", num_prompts=NUM_TRAIN_PROMPTS, seed=seed)
+    conversations = tiny_prompts(split="train", num_prompts=NUM_TRAIN_PROMPTS + NUM_VAL_PROMPTS, seed=seed)
+    val_ids = sorted(conversation_id(c["messages"]) for c in conversations[NUM_TRAIN_PROMPTS:])
     gen_dir = build_generate_output(
         str(run_dir),
         verifier_dir,
@@ -60,7 +64,11 @@ def train_tiny_drafter(
             },
         }
     )
-    rows = storage.read_parquet(storage.join(gen_dir, "conversations.parquet")).to_pylist()
+    rows = [
+        r
+        for r in storage.read_parquet(storage.join(gen_dir, "conversations.parquet")).to_pylist()
+        if r["id"] not in val_ids
+    ]
     # an untrained drafter needs no data: its draft vocab is then simply the first ids
     counts = vocab.count_tokens((r["input_ids"], r["loss_mask"]) for r in rows) if num_steps else {}
     d2t, t2d = vocab.build_vocab(counts, draft_vocab_size, capture["vocab_size"])
@@ -80,7 +88,7 @@ def train_tiny_drafter(
         autocast=False,
         max_grad_norm=cfg.train.max_grad_norm,
     )
-    refs, _ = data.load_refs(gen_dir)
+    refs = [r for r in data.load_refs(gen_dir)[0] if r.id not in val_ids]
     loader = data.make_loader(
         data.ShardDataset(refs, len(aux_layer_ids), dtype=torch.float32),
         total_seq_len=cfg.train.total_seq_len,
@@ -100,6 +108,8 @@ def train_tiny_drafter(
                 if done == num_steps:
                     break
         ckpt = write_checkpoint(model, optimizers, schedulers, Path(run_dir), capture, epoch=epoch, steps=num_steps)
+    split = {"val_fraction": NUM_VAL_PROMPTS / len(conversations), "num_train": len(refs), "val_ids": val_ids}
+    storage.write_json_atomic(str(Path(run_dir) / "train" / "v-test" / "split.json"), split)
     return ckpt
 
 

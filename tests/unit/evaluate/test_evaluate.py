@@ -52,6 +52,24 @@ def test_a_prediction_far_from_vllm_is_flagged_naming_what_to_check_and_a_close_
     assert missing["predicted_acceptance_length"] is None and "no prediction" in missing["message"]
 
 
+def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_validation_prompts_a_contract_problem():
+    rows = [spec_row_for(3, 100, [40, 20, 10])]  # evaluation prompts: 1.70
+    info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
+    metrics = {"val_replay_acceptance_length_k3": 2.5}
+    agrees = {3: {"num_drafts": 100, "num_accepted_tokens": 148, "accepted_per_pos": [66, 48, 34]}}  # 2.48
+    [shift] = evaluate.predicted_vs_measured(metrics, rows, info, agrees)
+    assert not shift["flagged"] and "distribution shift" in shift["message"]
+    assert shift["validation"]["measured_acceptance_length"] == pytest.approx(2.48)
+    assert shift["validation"]["gap"] == pytest.approx(-0.02)
+    assert shift["validation"]["measured_per_position"] == pytest.approx([0.66, 0.48, 0.34])
+    parts = {3: {"num_drafts": 100, "num_accepted_tokens": 70, "accepted_per_pos": [40, 20, 10]}}  # 1.70
+    [contract] = evaluate.predicted_vs_measured(metrics, rows, info, parts)
+    assert contract["flagged"] and "on the run's validation prompts" in contract["message"]
+    assert "likely a contract problem" in contract["message"] and "held-out set unlike" not in contract["message"]
+    table = "\n".join(report.prediction_lines({"predicted_vs_measured": [shift]}))
+    assert "on validation prompts 2.480" in table and "FLAGGED" not in table
+
+
 def test_acceptance_plot_has_integer_draft_positions_and_prediction_on_the_measured_axes():
     import matplotlib
 
