@@ -23,6 +23,7 @@ def pytest_configure(config):
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN_PATH": str(token_path),
             "VLLM_CACHE_ROOT": str(base / "vllm_cache"),
+            "VLLM_RPC_BASE_PATH": str(base),  # the engines' ZMQ sockets (else one per engine left in /tmp)
             "HF_HOME": str(base / "hf_home"),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",

@@ -413,6 +413,14 @@ class EvaluateConfig:
     drafter, at any measured k and concurrency. Differences explained by numerics are reported, not failed: plain
     decoding itself changes that prompt between batch shapes, or its top-2 logprobs are a near tie where the outputs
     part (evaluate/identity.py)."""
+    baseline_again: bool = True
+    """Decode without the drafter a second time, after the drafter engines (timed passes at every concurrency), and
+    report how far plain decoding's rate moved between the two (`baseline_drift` in the baseline rows). Speedups are
+    measured against the first pass."""
+    max_baseline_drift: float | None = field(default=0.15, metadata=NOT_IN_VERSION)
+    """Gate: fail when plain decoding's rate after the drafter engines differs from its rate before by more than this
+    fraction at any concurrency: the machine's speed changed during the measurement (other work on its GPU or CPUs),
+    so its speedups cannot be trusted. null: not gated. Needs `baseline_again`."""
     report_only: bool = field(default=False, metadata=NOT_IN_VERSION)
     """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay)."""
     prompts: str | None = None
@@ -439,6 +447,9 @@ class EvaluateConfig:
         _check(self.num_prompts > 0, "evaluate.num_prompts", "must be > 0")
         _check(self.max_tokens > 0, "evaluate.max_tokens", "must be > 0")
         _check(self.contract_prompts >= 0, "evaluate.contract_prompts", "must be >= 0")
+        _check(
+            self.max_baseline_drift is None or self.max_baseline_drift > 0, "evaluate.max_baseline_drift", "must be > 0"
+        )
         _check(
             len(self.num_speculative_tokens) > 0 and all(k >= 1 for k in self.num_speculative_tokens),
             "evaluate.num_speculative_tokens",

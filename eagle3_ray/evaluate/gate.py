@@ -68,6 +68,15 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
             )
     if section.require_identical_outputs:
         misses += [_identity_miss(by_key[key]) for key in sorted(by_key) if _num_drafter(by_key[key])]
+    drift = section.max_baseline_drift
+    for r in (r for r in rows if not r["num_speculative_tokens"] and "baseline_drift" in r):
+        if drift is not None and abs(r["baseline_drift"]) > drift:
+            misses.append(
+                f"c={r['concurrency']}: plain decoding ran at {r['tokens_per_s']:.1f} tokens/s before the drafter "
+                f"engines and {r['tokens_per_s_again']:.1f} after ({r['baseline_drift']:+.1%}, max_baseline_drift "
+                f"{drift}): the machine's speed changed during the measurement, so its speedups cannot be trusted; "
+                "evaluate again with nothing else running on the machine"
+            )
     thresholds = {name: value for name, value in dataclasses.asdict(section).items() if name not in versioned(section)}
     return {
         "passed": not misses,

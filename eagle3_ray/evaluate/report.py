@@ -46,6 +46,13 @@ def baseline_row(concurrency: int, run: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def add_baseline_again(row: dict[str, Any], run: dict[str, Any]) -> None:
+    """Plain decoding's second timed pass, after the drafter engines, into its baseline row: `tokens_per_s_again` and
+    `baseline_drift` (second rate / first - 1)."""
+    row["tokens_per_s_again"] = _tokens_per_s(run)
+    row["baseline_drift"] = row["tokens_per_s_again"] / row["tokens_per_s"] - 1.0
+
+
 def spec_row(
     k: int,
     concurrency: int,
@@ -149,12 +156,28 @@ def summary_table(results: dict[str, Any]) -> str:
         )
     g = results["gate"]
     lines.append(recommended_line(g))
+    lines += drift_lines(results["rows"])
     lines += prediction_lines(results)
     verdict = "PASS" if g["passed"] else "FAIL"
     lines.append(
         f"deploy gate: {verdict} (at the fastest k per concurrency)" + "".join(f"\n  miss: {m}" for m in g["misses"])
     )
     return "\n".join(lines)
+
+
+def drift_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line: plain decoding's rate before and after the drafter engines, per concurrency."""
+    again = [r for r in rows if not r["num_speculative_tokens"] and "baseline_drift" in r]
+    if not again:
+        return []
+    return [
+        "plain decoding before / after the drafter engines: "
+        + ", ".join(
+            f"c={r['concurrency']} {r['tokens_per_s']:.1f} / {r['tokens_per_s_again']:.1f} tok/s "
+            f"({r['baseline_drift']:+.1%})"
+            for r in again
+        )
+    ]
 
 
 def _fmt(value: float | None) -> str:
@@ -261,6 +284,8 @@ def markdown(results: dict[str, Any]) -> str:
             "Misses:" + misses,
             "",
             *table,
+            "",
+            *(f"{line}." for line in drift_lines(results["rows"])),
             "",
             *_identity_section(results, rows),
             *_breakdown_table(rows, "by_category", "category"),

@@ -33,6 +33,7 @@ def make_cfg(run_dir: Path, verifier_dir: str, **evaluate_fields):
         "concurrency": [1, 4],
         "engine_kwargs": ENGINE_KWARGS,
         "report_only": True,
+        "max_baseline_drift": None,  # two cores shared with the rest of the suite: the rate moves, the gate may not
         **evaluate_fields,
     }
     return attach(
@@ -286,6 +287,9 @@ def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_
     [item] = results["predicted_vs_measured"]
     assert item["num_speculative_tokens"] == 3 and item["measured_acceptance_length"] > 1.0
     assert item["validation"]["measured_acceptance_length"] > 1.0  # the drafter's own validation prompts, decoded
+    plain = [r for r in results["rows"] if not r["num_speculative_tokens"]]  # plain decoding, again after the drafter
+    assert [r["concurrency"] for r in plain] == [1, 4] and all(r["tokens_per_s_again"] > 0 for r in plain)
+    assert "plain decoding before / after the drafter engines: c=1 " in report.summary_table(results)
     assert len(item["measured_per_position"]) == 3 and "k=3: mean acceptance length predicted" in report.summary_table(
         results
     )

@@ -41,6 +41,7 @@ SMALL = [
     "train.warmup_steps=2",
     "evaluate.num_prompts=8",
     "evaluate.max_tokens=32",
+    "evaluate.baseline_again=false",
 ]
 AUX, FINAL = [1, 3, 4], 6
 

@@ -296,6 +296,7 @@ LEAN = [
     "evaluate.num_prompts=4",
     "evaluate.max_tokens=16",
     "evaluate.concurrency=[1]",
+    "evaluate.baseline_again=false",
     # vLLM's default CPU memory check fails on a shared machine: a fixed KV cache, no compile.
     "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}",
 ]

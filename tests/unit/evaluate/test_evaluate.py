@@ -66,8 +66,29 @@ def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_
     [contract] = evaluate.predicted_vs_measured(metrics, rows, info, parts)
     assert contract["flagged"] and "on the run's validation prompts" in contract["message"]
     assert "likely a contract problem" in contract["message"] and "held-out set unlike" not in contract["message"]
+    above = {3: {"num_drafts": 100, "num_accepted_tokens": 170, "accepted_per_pos": [70, 55, 45]}}  # 2.70
+    [easier] = evaluate.predicted_vs_measured(metrics, rows, info, above)
+    assert not easier["flagged"] and "accepted more than training's replay predicted" in easier["message"]
     table = "\n".join(report.prediction_lines({"predicted_vs_measured": [shift]}))
     assert "on validation prompts 2.480" in table and "FLAGGED" not in table
+
+
+def test_gate_fails_when_plain_decoding_moved_between_its_two_passes_and_the_report_shows_both_rates():
+    from eagle3_ray.core.config import EvaluateConfig
+    from eagle3_ray.evaluate import gate
+
+    base = {"num_speculative_tokens": 0, "concurrency": 1, "wall_s": 1.0, "output_tokens": 475, "tokens_per_s": 475.0}
+    steady, moved = dict(base), dict(base)
+    report.add_baseline_again(steady, {"outputs": [[0] * 490], "wall_s": 1.0})
+    report.add_baseline_again(moved, {"outputs": [[0] * 655], "wall_s": 1.0})
+    assert moved["baseline_drift"] == pytest.approx(655 / 475 - 1)
+    assert gate.gate([steady], EvaluateConfig(concurrency=[1]))["passed"]
+    verdict = gate.gate([moved], EvaluateConfig(concurrency=[1]))
+    assert not verdict["passed"] and "475.0 tokens/s before the drafter engines and 655.0 after" in verdict["misses"][0]
+    assert gate.gate([moved], EvaluateConfig(concurrency=[1], max_baseline_drift=None))["passed"]
+    assert report.drift_lines([moved]) == [
+        "plain decoding before / after the drafter engines: c=1 475.0 / 655.0 tok/s (+37.9%)"
+    ]
 
 
 def test_acceptance_plot_has_integer_draft_positions_and_prediction_on_the_measured_axes():
