@@ -16,6 +16,7 @@ captured bytes that wait for the writer.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -42,7 +43,19 @@ def start_async_engine(kwargs: dict[str, Any]):
     kwargs = {"disable_log_stats": True, **kwargs}
     if isinstance(kwargs.get("kv_transfer_config"), dict):
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
+
+    def build():
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return build()
+    # AsyncLLM starts its output handler on the loop running where it is built, and RequestLoop drives it from a
+    # loop of its own: outputs would never reach its requests. Ray runs a plain async actor's __init__ on the
+    # actor's loop (a Ray Data actor's runs outside any loop), so build it on a thread where no loop runs.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-start") as pool:
+        return pool.submit(build).result()
 
 
 class RequestLoop:

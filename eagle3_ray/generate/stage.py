@@ -98,20 +98,29 @@ def placement_args(cfg: Config, created: list) -> dict[str, Any]:
     worker, all on one node) that the engine actor and vLLM's Ray workers are scheduled into; `created` collects
     the groups so the stage removes them when it ends. `ray_remote_args_fn` is what Ray 2.60's ray.data.llm vLLM
     stage uses for the same purpose; Ray removes it in 2.64, hence the Ray pin in pyproject.toml."""
+    if cfg.generate.tensor_parallel_size == 1:
+        return replica_options(cfg, created)
+    return {"num_cpus": 1, "num_gpus": 0, "ray_remote_args_fn": lambda: _replica_group(cfg, created)}
+
+
+def replica_options(cfg: Config, created: list) -> dict[str, Any]:
+    """Ray actor options of one engine replica: its CPUs and GPU, or (TP>1) one CPU inside a new STRICT_PACK
+    placement group of its own (collected in `created`)."""
     gen = cfg.generate
     if gen.tensor_parallel_size == 1:
         return {"num_cpus": gen.num_cpus_per_replica, "num_gpus": gen.num_gpus_per_worker}
+    return {"num_cpus": 1, "num_gpus": 0, **_replica_group(cfg, created)}
 
-    def remote_args() -> dict[str, Any]:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
-        pg = ray.util.placement_group(bundles, strategy="STRICT_PACK")
-        created.append(pg)
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
+def _replica_group(cfg: Config, created: list) -> dict[str, Any]:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {"num_cpus": 1, "num_gpus": 0, "ray_remote_args_fn": remote_args}
+    gen = cfg.generate
+    bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
+    pg = ray.util.placement_group(bundles, strategy="STRICT_PACK")
+    created.append(pg)
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}
 
 
 def run(cfg: Config) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
     python ray_jobs/pipeline.py ray_jobs/configs/tiny_cpu.yaml train.source=online
 
-Ray Data reads the ingested conversations as token-bounded work units (generate.py's planner), a pool of
-StreamEngine actors (the generate section's engines and resources) regenerates and captures them, and each captured
-sample leaves the actor as a row whose hidden states are an ndarray. `TorchTrainer(datasets={"train": ds})` splits
+Ray Data reads the ingested conversations as token-bounded work units (generate.py's planner), and a router actor
+hands each unit to one of the StreamEngine actors (the generate section's engines and resources), which regenerates
+and captures it; each captured sample comes back as a row whose hidden states are an ndarray. The engines are
+started once for the whole stage, outside Ray Data: every epoch re-executes the stream (below), and a stream-owned
+actor pool would load the verifier again each time. `TorchTrainer(datasets={"train": ds})` splits
 that stream over the train workers (`ray.train.get_dataset_shard`), which pack rows into the same batches offline
 training builds (online_worker.py). Engines and trainers run at the same time on their own CPUs/GPUs; Ray Data's
 object-store limit (`train.online_buffer_bytes`) pauses the engines when the trainers fall behind.
@@ -17,7 +19,8 @@ Recovery: a killed train worker makes Ray Train restart the worker group from th
 group's dataset shard re-executes the stream from its start, so the interrupted epoch is trained again from the
 checkpoint's weights and every sample is trained once in it (the partial epoch's updates are discarded with the
 weights that made them). With the cache on, units already committed are read back instead of regenerated. A killed
-engine actor is restarted by Ray Data and its unit redone.
+engine actor is restarted by Ray (max_restarts) and its unit sent again (max_task_retries); the engines outlive
+worker-group restarts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate import chat
 from eagle3_ray.generate.output import capture_contract
-from eagle3_ray.generate.stage import chat_encoder, engine_pool_args, plan_units, sample_cost, with_prefill_ids
+from eagle3_ray.generate.stage import chat_encoder, plan_units, replica_options, sample_cost, with_prefill_ids
 from eagle3_ray.train import data, vocab
 from eagle3_ray.train.online_engine import StreamEngine
 from eagle3_ray.train.worker import WorkerArgs
@@ -53,30 +56,50 @@ def version(cfg: Config) -> str:
     )
 
 
-def build_dataset(
-    cfg: Config,
-    units: list,
-    verifier_path: str,
-    layer_ids: list[int],
-    out_dir: str,
-    cache_dir: str | None,
-    created_pgs: list,
-):
-    """The lazy stream of captured samples; nothing runs until a train worker iterates its shard. The engine pool
-    is the generate stage's (generate.engine_pool_args: many units in flight per actor)."""
+def start_engines(
+    cfg: Config, verifier_path: str, layer_ids: list[int], out_dir: str, cache_dir: str | None, created_pgs: list
+) -> list:
+    """`generate.num_replicas` StreamEngine actors for the whole stage, each with a replica's resources (or its own
+    placement group, collected in `created_pgs`). Ray restarts a dead one and resends its calls."""
+    import ray
+
+    cls = ray.remote(StreamEngine)
+    return [
+        cls.options(max_restarts=-1, max_task_retries=-1, **replica_options(cfg, created_pgs)).remote(
+            cfg.to_dict(), verifier_path, layer_ids, out_dir, cache_dir
+        )
+        for _ in range(cfg.generate.num_replicas)
+    ]
+
+
+class EngineRouter:
+    """Ray Data callable: sends each one-unit batch to the engine with the fewest units in flight and returns its
+    rows. Cheap to start, so a re-executed stream costs no engine start."""
+
+    def __init__(self, engines: list):
+        self.engines, self.in_flight = engines, [0] * len(engines)
+
+    async def __call__(self, batch: dict) -> dict:
+        i = min(range(len(self.engines)), key=self.in_flight.__getitem__)
+        self.in_flight[i] += 1
+        try:
+            return await self.engines[i].__call__.remote(batch)
+        finally:
+            self.in_flight[i] -= 1
+
+
+def build_dataset(cfg: Config, units: list, engines: list):
+    """The lazy stream of captured samples; nothing runs until a train worker iterates its shard. Each engine works
+    on `generate.units_in_flight` units at once, as in the generate stage."""
     import ray
 
     items = [{"unit_id": u.unit_id, "samples_json": json.dumps(u.samples), "num_tokens": u.num_tokens} for u in units]
+    in_flight = len(engines) * cfg.generate.units_in_flight
+    compute = ray.data.ActorPoolStrategy(
+        size=1, max_tasks_in_flight_per_actor=in_flight, max_concurrent_calls_per_actor=in_flight
+    )
     return ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        StreamEngine,
-        fn_constructor_kwargs={
-            "cfg_dict": cfg.to_dict(),
-            "verifier_path": verifier_path,
-            "layer_ids": layer_ids,
-            "out_dir": out_dir,
-            "cache_dir": cache_dir,
-        },
-        **engine_pool_args(cfg, created_pgs),
+        EngineRouter, fn_constructor_kwargs={"engines": engines}, batch_size=1, compute=compute, num_cpus=0
     )
 
 
@@ -95,16 +118,12 @@ class StreamDataConfig(DataConfig):
 
 
 def data_config(cfg: Config) -> StreamDataConfig:
-    """Ray Data limits for the stream: the engines' CPUs/GPUs (plus one CPU for the read tasks) and a bounded
-    object store, so the engines pause when the trainers fall behind. `resource_limits` is replaced whole (its
-    fields have no setters in Ray 2.60)."""
+    """Ray Data limits for the stream: one CPU for the read tasks (the engines hold their own resources, outside
+    Ray Data; the router takes none) and a bounded object store, so the engines pause when the trainers fall behind.
+    `resource_limits` is replaced whole (its fields have no setters in Ray 2.60)."""
     from ray.data import ExecutionOptions, ExecutionResources
 
-    gen = cfg.generate
-    replicas = gen.max_replicas or gen.num_replicas
-    gpus = replicas * gen.tensor_parallel_size * gen.num_gpus_per_worker
-    cpus = replicas * (gen.num_cpus_per_replica if gen.tensor_parallel_size == 1 else 1 + gen.tensor_parallel_size)
-    limits = ExecutionResources(cpu=cpus + 1, gpu=gpus, object_store_memory=cfg.train.online_buffer_bytes)
+    limits = ExecutionResources(cpu=1, gpu=0, object_store_memory=cfg.train.online_buffer_bytes)
     return StreamDataConfig(execution_options=ExecutionOptions(resource_limits=limits))
 
 
@@ -159,8 +178,9 @@ def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], cfg: Confi
 
 
 def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
-    """The online data source of the train stage: (worker args, the lazy capture stream, split). Plans the units,
-    writes the capture contract, split and draft vocabulary; `created_pgs` collects the engines' placement groups."""
+    """The online data source of the train stage: (worker args, the lazy capture stream, split, engine actors). Plans
+    the units, writes the capture contract, split and draft vocabulary, starts the engines; `created_pgs` collects
+    their placement groups."""
     verifier_path = verifier_dir(cfg)
     capture = capture_contract(cfg, verifier_path)
     rows, units, rejects, costs, encoder = _plan(cfg, ingest_dir, verifier_path)
@@ -190,5 +210,5 @@ def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
         cache_dir=cache_dir,
         steps_per_epoch=estimated_steps_per_epoch(costs, cfg),
     )
-    dataset = build_dataset(cfg, units, verifier_path, capture["layer_ids"], out_dir, cache_dir, created_pgs)
-    return args, dataset, split
+    engines = start_engines(cfg, verifier_path, capture["layer_ids"], out_dir, cache_dir, created_pgs)
+    return args, build_dataset(cfg, units, engines), split, engines

@@ -148,11 +148,14 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
 
     ensure_ray(cfg.run)
     created_pgs: list = []
+    engines: list = []
     try:
-        args, dataset, split = online.prepare(cfg, ingest_dir, out_dir, created_pgs)
+        args, dataset, split, engines = online.prepare(cfg, ingest_dir, out_dir, created_pgs)
         check_split(split["num_train"], len(split["val_ids"]), cfg)
         fit(trainer(cfg, out_dir, args, OnlineLoop, train=dataset))
     finally:
+        for engine in engines:
+            ray.kill(engine, no_restart=True)
         for pg in created_pgs:
             ray.util.remove_placement_group(pg)
     return finish(cfg, out_dir, split, {})

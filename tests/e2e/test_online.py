@@ -58,6 +58,8 @@ def test_online_training_finishes_with_falling_loss_and_no_hidden_state_files_af
     assert (train_dir / "_fault_injected").exists()
     resumed = [r for r in records if r["kind"] == "resumed"]
     assert [(r["from_epoch"], r["next_epoch"]) for r in resumed] == [(0, 1)]
+    # one engine incarnation for two epochs and a worker-group restart: the verifier loaded once
+    assert len(list((train_dir / "engines").glob("*.json"))) == 1
     # greedy regeneration gives the same samples every epoch: the restarted epoch trained each of them once
     assert epochs[1]["train_tokens"] == epochs[0]["train_tokens"] > 0
     assert safetensors_outside_checkpoints(cfg.run.run_dir) == []
