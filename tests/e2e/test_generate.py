@@ -290,13 +290,27 @@ def test_generate_summary_records_per_layer_capture_stats(fp32_run):
         assert 0 < layer["norm_min"] <= layer["norm_mean"] <= layer["norm_max"]
 
 
-def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run, tiny_llama_fp32):
-    """Greedy fp32: a plain engine's regeneration plus a capture prefill equal one pass with capture in decode,
-    multi-turn conversations included (every turn answered by the model's own earlier answers)."""
+def test_killed_two_pass_job_resumes_in_its_first_pass_and_writes_the_tokens_masks_and_hidden_states_of_one_pass(
+    fp32_run, tiny_llama_fp32
+):
+    """A two_pass job killed in its first pass (one unit at a time, so most are still to come) resumes where it
+    stopped; greedy fp32, its plain regeneration plus capture prefill then equal one pass with capture in decode,
+    multi-turn conversations included (every turn answered by the model's own earlier answers), with every sample
+    exactly once."""
     cfg, table, _ = fp32_run
-    two = config_from_dict({**cfg.to_dict(), "generate": {**cfg.to_dict()["generate"], "mode": "two_pass"}})
+    gen = {**cfg.to_dict()["generate"], "mode": "two_pass", "units_in_flight": 1}
+    two = config_from_dict({**cfg.to_dict(), "generate": gen})
+    two_out = _out_dir_while_running(two)
+    job = _start_stage_job(two)
+    try:
+        deadline = time.monotonic() + 400
+        while not list(Path(two_out, "generated").glob("*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        _kill_session(job.pid)
+    assert list(Path(two_out, "generated").glob("*.parquet")) and not list(Path(two_out, "parts").glob("*.parquet"))
     summary = run(two)
-    one_out, two_out = _out_dir_while_running(cfg), out_dir(two)
+    one_out = _out_dir_while_running(cfg)
     assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
     conv = {
         d: {r["id"]: r for r in pq.read_table(f"{d}/conversations.parquet").to_pylist()} for d in (one_out, two_out)
@@ -318,22 +332,3 @@ def test_two_pass_writes_the_tokens_masks_and_hidden_states_of_one_pass(fp32_run
     assert not Path(two_out, "generated").exists()
     rejected = [r["id"] for r in pq.read_table(f"{two_out}/rejects.parquet").to_pylist()]
     assert_every_sample_exactly_once(two_out, table, rejected)
-
-
-def test_killed_two_pass_job_resumes_in_its_first_pass_with_every_sample_exactly_once(
-    tmp_path, tiny_llama, ray_session
-):
-    cfg = generate_cfg(tmp_path, tiny_llama, mode="two_pass", max_batch_tokens=120)
-    table = ingest(cfg, tiny_llama, num_single=40, num_multi=3)
-    out = _out_dir_while_running(cfg)
-    job = _start_stage_job(cfg)
-    try:
-        deadline = time.monotonic() + 400
-        while not list(Path(out, "generated").glob("*.parquet")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        _kill_session(job.pid)
-    assert list(Path(out, "generated").glob("*.parquet")) and not list(Path(out, "parts").glob("*.parquet"))
-    summary = run(cfg)
-    assert summary["rows_ok"] == table.num_rows
-    assert_every_sample_exactly_once(out, table)
