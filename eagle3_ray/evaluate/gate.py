@@ -70,7 +70,7 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
         misses += [_identity_miss(by_key[key]) for key in sorted(by_key) if _num_drafter(by_key[key])]
     drift = section.max_baseline_drift
     for r in (r for r in rows if not r["num_speculative_tokens"] and "baseline_drift" in r):
-        if drift is not None and abs(r["baseline_drift"]) > drift:
+        if drift is not None and abs(r["baseline_drift"]) > drift:  # rows of a run with evaluate.baseline_again
             misses.append(
                 f"c={r['concurrency']}: plain decoding ran at {r['tokens_per_s']:.1f} tokens/s before the drafter "
                 f"engines and {r['tokens_per_s_again']:.1f} after ({r['baseline_drift']:+.1%}, max_baseline_drift "

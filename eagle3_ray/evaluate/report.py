@@ -78,8 +78,8 @@ def spec_row(
         "num_drafts": s["num_drafts"],
         "num_draft_tokens": s["num_draft_tokens"],
         "num_accepted_tokens": s["num_accepted_tokens"],
-        **_acceptance(s),
-        "acceptance_per_position": [a / max(s["num_drafts"], 1) for a in s["accepted_per_pos"]],
+        **acceptance(s),
+        "acceptance_per_position": per_position(s),
         "num_outputs": len(run["outputs"]),
         "num_mismatched_outputs": len(mismatches),
         "identity": identity.counts(identity_items),
@@ -90,11 +90,17 @@ def spec_row(
     }
 
 
-def _acceptance(spec: dict[str, Any]) -> dict[str, float]:
+def acceptance(spec: dict[str, Any]) -> dict[str, float]:
+    """Acceptance rate and mean acceptance length from vLLM's spec-decode counter increments."""
     return {
         "acceptance_rate": spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1),
         "mean_acceptance_length": 1.0 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1),
     }
+
+
+def per_position(spec: dict[str, Any]) -> list[float]:
+    """The chance that the draft token at each position is accepted, from the same counter increments."""
+    return [a / max(spec["num_drafts"], 1) for a in spec["accepted_per_pos"]]
 
 
 def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, dict[str, float]] | None:
@@ -121,7 +127,7 @@ def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, 
             "tokens_per_s": tokens_per_s,
             "baseline_tokens_per_s": base_tokens_per_s,
             "speedup": tokens_per_s / max(base_tokens_per_s, 1e-9),
-            **_acceptance(t),
+            **acceptance(t),
         }
     return out
 

@@ -100,12 +100,17 @@ def _read_rows(uri: str) -> list[dict[str, Any]]:
     raise UserError(f"evaluate.prompts={uri!r}: must be a .jsonl or .parquet file or builtin:<name>")
 
 
-def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dict[str, Any]:
+def training_conversations(training_data_dir: str) -> Any:
+    """`id` and `messages` of the training data: `conversations.parquet` of the generate stage, or in online mode of
+    the ingest stage."""
+    return storage.read_parquet(storage.join(training_data_dir, "conversations.parquet"), columns=["id", "messages"])
+
+
+def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str, table: Any = None) -> dict[str, Any]:
     """Refuse prompts the drafter was trained on: same conversation id or same user text (a second turn included) as
-    a row of the training data (`conversations.parquet` of the generate stage, or in online mode of the ingest
-    stage)."""
+    a row of the training data (`table`: training_conversations, read here when not given)."""
     uri = storage.join(training_data_dir, "conversations.parquet")
-    table = storage.read_parquet(uri, columns=["id", "messages"])
+    table = training_conversations(training_data_dir) if table is None else table
     train_ids = set(table.column("id").to_pylist())
     train_texts = {m["content"] for msgs in table.column("messages").to_pylist() for m in msgs if m["role"] == "user"}
     overlap = [
@@ -123,15 +128,16 @@ def check_held_out(prompts: list[dict[str, Any]], training_data_dir: str) -> dic
     return {"num_train_conversations": len(train_ids), "training_data": training_data_dir}
 
 
-def validation_prompts(cfg: Config, training_data_dir: str) -> list[dict[str, Any]]:
+def validation_prompts(cfg: Config, training_data_dir: str, table: Any = None) -> list[dict[str, Any]]:
     """The first `evaluate.contract_prompts` conversations of the run's validation split (train/split.json, sorted
     ids), as prompts `{"id", "messages"}` up to their first user turn: training's replay estimate was computed on
-    this split, so vLLM's acceptance on it checks the serving contract apart from any shift in the prompts."""
+    this split, so vLLM's acceptance on it checks the serving contract apart from any shift in the prompts.
+    `table`: training_conversations, read here when not given."""
     if cfg.evaluate.contract_prompts == 0:
         return []
     split = storage.read_json(storage.join(stage.input_dir(cfg, "train"), "split.json"))
     wanted = split["val_ids"][: cfg.evaluate.contract_prompts]
-    table = storage.read_parquet(storage.join(training_data_dir, "conversations.parquet"), columns=["id", "messages"])
+    table = training_conversations(training_data_dir) if table is None else table
     by_id = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist(), strict=True))
     missing = [i for i in wanted if i not in by_id]
     if missing:
@@ -439,11 +445,10 @@ def predicted_vs_measured(
         }
         own = (contract_runs or {}).get(k)
         if own is not None:
-            n = max(own["num_drafts"], 1)
-            own_len = 1.0 + own["num_accepted_tokens"] / n
+            own_len = report.acceptance(own)["mean_acceptance_length"]
             item["validation"] = {
                 "measured_acceptance_length": own_len,
-                "measured_per_position": [a / n for a in own["accepted_per_pos"]],
+                "measured_per_position": report.per_position(own),
                 "gap": None if predicted is None else own_len - predicted,
             }
         if predicted is None:
@@ -513,8 +518,9 @@ def run(cfg: Config) -> dict[str, Any]:
     export_dir = stage.input_dir(cfg, "export")
     prompts = load_prompts(cfg)
     training_data_dir = stage.input_dir(cfg, "ingest" if cfg.train.source == "online" else "generate")
-    held_out = check_held_out(prompts, training_data_dir)
-    own = validation_prompts(cfg, training_data_dir)
+    conversations = training_conversations(training_data_dir)
+    held_out = check_held_out(prompts, training_data_dir, conversations)
+    own = validation_prompts(cfg, training_data_dir, conversations)
     summary = stage.run(
         cfg,
         STAGE,
@@ -545,10 +551,11 @@ def _measure(
     verifier_dir = verifiers.verifier_dir(cfg)
     drafter_dir = storage.join(export_dir, "speculators")  # each engine actor copies it to its own node
     contract.check_dir(drafter_dir, capture, verifier_dir, capture_where=capture_where)
-    token_prompts = _tokenize(verifier_dir, prompts, cfg.verifier.trust_remote_code)
-    own_tokens = _tokenize(verifier_dir, own, cfg.verifier.trust_remote_code) if own else []
+    tokenizer = _tokenizer(verifier_dir, cfg.verifier.trust_remote_code)
+    token_prompts = [_chat_ids(tokenizer, p["messages"]) for p in prompts]
+    own_tokens = [_chat_ids(tokenizer, p["messages"]) for p in own]
     if cfg.evaluate.turns == "both":
-        check_second_turn_fits(_tokenizer(verifier_dir, cfg.verifier.trust_remote_code), prompts, cfg)
+        check_second_turn_fits(tokenizer, prompts, cfg)
     ensure_ray(cfg.run)
     log(STAGE, "measure", num_prompts=len(prompts), turns=cfg.evaluate.turns, drafter=drafter_dir)
     results = {

@@ -56,17 +56,23 @@ def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_
     rows = [spec_row_for(3, 100, [40, 20, 10])]  # evaluation prompts: 1.70
     info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
     metrics = {"val_replay_acceptance_length_k3": 2.5}
-    agrees = {3: {"num_drafts": 100, "num_accepted_tokens": 148, "accepted_per_pos": [66, 48, 34]}}  # 2.48
+    agrees = {
+        3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 148, "accepted_per_pos": [66, 48, 34]}
+    }  # 2.48
     [shift] = evaluate.predicted_vs_measured(metrics, rows, info, agrees)
     assert not shift["flagged"] and "distribution shift" in shift["message"]
     assert shift["validation"]["measured_acceptance_length"] == pytest.approx(2.48)
     assert shift["validation"]["gap"] == pytest.approx(-0.02)
     assert shift["validation"]["measured_per_position"] == pytest.approx([0.66, 0.48, 0.34])
-    parts = {3: {"num_drafts": 100, "num_accepted_tokens": 70, "accepted_per_pos": [40, 20, 10]}}  # 1.70
+    parts = {
+        3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 70, "accepted_per_pos": [40, 20, 10]}
+    }  # 1.70
     [contract] = evaluate.predicted_vs_measured(metrics, rows, info, parts)
     assert contract["flagged"] and "on the run's validation prompts" in contract["message"]
     assert "likely a contract problem" in contract["message"] and "held-out set unlike" not in contract["message"]
-    above = {3: {"num_drafts": 100, "num_accepted_tokens": 170, "accepted_per_pos": [70, 55, 45]}}  # 2.70
+    above = {
+        3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 170, "accepted_per_pos": [70, 55, 45]}
+    }  # 2.70
     [easier] = evaluate.predicted_vs_measured(metrics, rows, info, above)
     assert not easier["flagged"] and "accepted more than training's replay predicted" in easier["message"]
     table = "\n".join(report.prediction_lines({"predicted_vs_measured": [shift]}))
