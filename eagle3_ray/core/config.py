@@ -136,6 +136,13 @@ class GenerateConfig:
     O > P (d/c) / (1/0.33 - 1 - d/c) ~ 0.44 P (P prompt, O output tokens). The stage itself, same prompts: two_pass
     1.38x one pass at 256 output tokens (O = 5.9 P) and 1.25x at 2048 (O = 47 P). Not counted: two_pass's second
     engine start per replica (40 s for the 8B here; a 1T-class model loads for 20+ minutes)."""
+    two_pass_overlap: bool = field(default=False, metadata=NOT_IN_VERSION)
+    """two_pass: run the capture engines beside the plain ones, each unit going on to capture as soon as it is
+    regenerated. The capture engines then load while the first pass decodes and capture during it, so the stage no
+    longer waits for a second model load per replica. Each engine gets half of its replica's GPUs
+    (`num_gpus_per_worker` / 2, both engines on the same devices) and, on GPUs, needs
+    `engine_kwargs.kv_cache_memory_bytes`: the two engines start together, and vLLM sizes its KV cache from the
+    device memory free while it profiles, which the other engine is taking. Off: one engine resident at a time."""
     units_in_flight: int = field(default=32, metadata=NOT_IN_VERSION)
     """Units each engine replica works on at once (the actor's concurrency): their requests share the engine's
     continuous batch (bounded by its own max_num_seqs / KV cache), so one unit's tail never idles the engine."""
@@ -227,6 +234,13 @@ class GenerateConfig:
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
         _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
         _check(self.two_pass_min_output_ratio > 0, "generate.two_pass_min_output_ratio", "must be > 0")
+        _check(
+            not (self.two_pass_overlap and self.num_gpus_per_worker > 0)
+            or "kv_cache_memory_bytes" in self.engine_kwargs,
+            "generate.two_pass_overlap",
+            "on GPUs needs generate.engine_kwargs.kv_cache_memory_bytes (two engines share each GPU and start "
+            "together: vLLM would size each KV cache from memory the other one is taking)",
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -534,6 +534,10 @@ class GeneratedSink:
         uri = storage.join(self.out_dir, "generated", f"{unit_id}.parquet")
         return summaries(storage.read_parquet(uri).to_pylist(), {}) if storage.exists(uri) else None
 
+    def records(self, unit_id: str) -> list[dict]:
+        """The unit's committed first-pass records (a regenerated conversation or a reject per sample)."""
+        return storage.read_parquet(storage.join(self.out_dir, "generated", f"{unit_id}.parquet")).to_pylist()
+
     def write(
         self, unit_id: str, records: list[dict], encoded: dict, stats: dict, shard_bytes: dict[str, int] | None = None
     ) -> list[dict]:

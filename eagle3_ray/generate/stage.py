@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -24,7 +24,7 @@ from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.raycluster import ensure_ray
 from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate.chat import ChatEncoder, user_turns
-from eagle3_ray.generate.engine import EngineActor
+from eagle3_ray.generate.engine import EngineActor, RegenerateActor
 from eagle3_ray.generate.output import capture_contract, clean_orphans, committed_ids, finalise
 
 STAGE = "generate"
@@ -175,6 +175,10 @@ def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list
         kind = "prefill" if mode == "capture_only" else "generate"
         return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}
     generated = generated_records(out)
+    if cfg.generate.two_pass_overlap:
+        totals = _run_overlapped(cfg, units, generated, verifier_path, layer_ids, out)
+        storage.delete(storage.join(out, "generated"))
+        return {**totals, "mode": mode}
     todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
     first = _run_pool(cfg, todo, "plain", verifier_path, layer_ids, out) if todo else {}
     generated = generated_records(out)
@@ -247,7 +251,15 @@ def _run_pool(
         },
         **engine_pool_args(cfg, created_pgs),
     )
-    progress = _Progress(cfg, sum(len(u.samples) for u in units), kind)
+    return _consume(cfg, ds, sum(len(u.samples) for u in units), kind, created_pgs)
+
+
+def _consume(cfg: Config, ds, num_samples: int, kind: str, created_pgs: list) -> dict[str, Any]:
+    """Run the pool(s) of `ds`, logging progress as the engines' summary rows come back; remove the replicas'
+    placement groups after."""
+    import ray
+
+    progress = _Progress(cfg, num_samples, kind)
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             progress.add(batch.to_pylist())
@@ -257,6 +269,46 @@ def _run_pool(
         for pg in created_pgs:
             ray.util.remove_placement_group(pg)
     return progress.totals()
+
+
+def _run_overlapped(
+    cfg: Config,
+    units: list[Unit],
+    generated: dict[str, dict[str, Any]],
+    verifier_path: str,
+    layer_ids: list[int],
+    out: str,
+) -> dict[str, Any]:
+    """two_pass with `generate.two_pass_overlap`: one stream through a plain pool (RegenerateActor) into a capture
+    pool, both started at once on half of each replica's GPUs; a unit whose samples an earlier attempt regenerated
+    goes through without the plain engine."""
+    import ray
+
+    gen = cfg.generate
+    half = replace(cfg, generate=replace(gen, num_gpus_per_worker=gen.num_gpus_per_worker / 2))
+    items = []
+    for u in units:
+        regenerated = all(s["id"] in generated for s in u.samples)
+        samples = [generated[s["id"]] for s in u.samples] if regenerated else u.samples
+        items.append(
+            {
+                "unit_id": u.unit_id,
+                "samples_json": json.dumps(samples),
+                "num_tokens": u.num_tokens,
+                "regenerated": regenerated,
+            }
+        )
+    created_pgs: list = []
+    common = {"cfg_dict": half.to_dict(), "verifier_path": verifier_path, "layer_ids": layer_ids, "out_dir": out}
+    ds = (
+        ray.data.from_items(items, override_num_blocks=len(items))
+        .map_batches(RegenerateActor, fn_constructor_kwargs=common, **engine_pool_args(half, created_pgs))
+        .map_batches(
+            EngineActor, fn_constructor_kwargs={**common, "kind": "prefill"}, **engine_pool_args(half, created_pgs)
+        )
+    )
+    telemetry.log(STAGE, "two_pass_overlap", units=len(items), regenerated=sum(i["regenerated"] for i in items))
+    return _consume(cfg, ds, sum(len(u.samples) for u in units), "prefill", created_pgs)
 
 
 def _root_message(e: BaseException) -> str:

@@ -4,6 +4,7 @@ killed engines and killed jobs still give every sample exactly once, and a broke
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -294,9 +295,10 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_and_writes_the_tokens_mas
     fp32_run, tiny_llama_fp32
 ):
     """A two_pass job killed in its first pass (one unit at a time, so most are still to come) resumes where it
-    stopped; greedy fp32, its plain regeneration plus capture prefill then equal one pass with capture in decode,
-    multi-turn conversations included (every turn answered by the model's own earlier answers), with every sample
-    exactly once."""
+    stopped, with generate.two_pass_overlap on (both engines load at once; the units regenerated before the kill go
+    straight to capture); greedy fp32, its plain regeneration plus capture prefill then equal one pass with capture
+    in decode, multi-turn conversations included (every turn answered by the model's own earlier answers), with
+    every sample exactly once."""
     cfg, table, _ = fp32_run
     gen = {**cfg.to_dict()["generate"], "mode": "two_pass", "units_in_flight": 1}
     two = config_from_dict({**cfg.to_dict(), "generate": gen})
@@ -308,8 +310,13 @@ def test_killed_two_pass_job_resumes_in_its_first_pass_and_writes_the_tokens_mas
             time.sleep(0.05)
     finally:
         _kill_session(job.pid)
+    killed_at = time.time()
     assert list(Path(two_out, "generated").glob("*.parquet")) and not list(Path(two_out, "parts").glob("*.parquet"))
-    summary = run(two)
+    summary = run(config_from_dict({**two.to_dict(), "generate": {**gen, "two_pass_overlap": True}}))
+    engines = [json.loads(p.read_text()) for p in Path(two_out, "engines").glob("*.json")]
+    resumed = {e["kind"]: e for e in engines if e["start_time"] > killed_at}
+    assert sorted(resumed) == ["plain", "prefill"]
+    assert resumed["prefill"]["start_time"] < resumed["plain"]["ready_time"]  # the two engines loaded at once
     one_out = _out_dir_while_running(cfg)
     assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["run_mode"] == "two_pass"
     conv = {

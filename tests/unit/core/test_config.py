@@ -117,6 +117,17 @@ def test_bad_values_fail_naming_the_field(override, field):
         load_config(CONFIGS / "tiny_cpu.yaml", [override])
 
 
+def test_two_pass_overlap_on_gpus_needs_a_fixed_kv_cache():
+    gpu_overlap = ["generate.num_gpus_per_worker=1", "generate.two_pass_overlap=true", "generate.engine_kwargs={}"]
+    with pytest.raises(ValueError, match=r"^generate\.two_pass_overlap: on GPUs needs .*kv_cache_memory_bytes"):
+        load_config(CONFIGS / "tiny_cpu.yaml", gpu_overlap)
+    fixed = load_config(
+        CONFIGS / "tiny_cpu.yaml", [*gpu_overlap, "generate.engine_kwargs={kv_cache_memory_bytes: 1073741824}"]
+    )
+    assert fixed.generate.two_pass_overlap and fixed.generate.engine_kwargs["kv_cache_memory_bytes"] == 1 << 30
+    assert load_config(CONFIGS / "tiny_cpu.yaml", ["generate.two_pass_overlap=true"]).generate.two_pass_overlap
+
+
 def test_an_override_without_equals_sign_is_rejected():
     with pytest.raises(ValueError, match="must look like section.field=value"):
         load_config(None, ["train.epochs"])
