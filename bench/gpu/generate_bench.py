@@ -98,15 +98,26 @@ def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
         rows = read_builtin(source, max_rows=4 * args.num_prompts).rows
     else:
         rows = tiny_prompts(num_prompts=args.num_prompts)
-    for row in rows[: args.num_prompts]:
+    # under --recipe, as its ingest stage does: prompts over ingest.max_prompt_tokens and repeated conversations
+    # (one id, one capture file) are left out
+    from eagle3_ray.ingest.formats import conversation_id
+
+    limit = make_cfg(args, args.work, "generate", 1).ingest.max_prompt_tokens if args.recipe else None
+    ids, seen = [], set()
+    for row in rows:
         first_user = next(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
-        convs.append(row["messages"][: first_user + 1])
-    ids = [
-        tok(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
-            "input_ids"
-        ]
-        for c in convs
-    ]
+        conv = row["messages"][: first_user + 1]
+        if conversation_id(conv) in seen:
+            continue
+        seen.add(conversation_id(conv))
+        tokens = tok(
+            tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+        if limit is None or len(tokens["input_ids"]) <= limit:
+            convs.append(conv)
+            ids.append(tokens["input_ids"])
+        if len(convs) == args.num_prompts:
+            break
     return convs, ids
 
 
@@ -309,10 +320,13 @@ def write_ingest(cfg, args, mode: str, out_len: int) -> None:
 def run_child(args, mode: str, out_len: int) -> dict:
     """One measurement in a fresh process; its last `RESULT {json}` line is the answer."""
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}:{out_len}"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if args.out:  # the child's whole log (engine, Ray Data, the stage's unit_committed lines) beside the results
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).with_name(f"generate_bench-{mode}-{out_len}.log").write_text(proc.stdout)
+    # the child's whole log (engine, Ray Data, the stage's unit_committed lines), written as it runs, beside the
+    # results (a call cut short keeps it)
+    log = Path(args.out or os.path.join(args.work, "out")).with_name(f"generate_bench-{mode}-{out_len}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+    proc.stdout = log.read_text(errors="replace")
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     result = (
         results[-1]
