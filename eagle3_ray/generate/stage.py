@@ -169,17 +169,18 @@ def chat_encoder(verifier_path: str, cfg: Config):
 def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list[int], out: str) -> dict[str, Any]:
     """Stream units through the engine pool(s), logging progress as summaries come back. `generate` and
     `capture_only` run one pool; `two_pass` runs a plain pool over the units not yet regenerated, then (that pool
-    gone, its GPUs free) a capture pool over the regenerated conversations."""
+    gone, its GPUs free) a capture pool over the regenerated conversations, or with `generate.two_pass_overlap` both
+    pools at once in one stream (_run_overlapped)."""
     mode = resolve_mode(cfg, units)
     if mode != "two_pass":
         kind = "prefill" if mode == "capture_only" else "generate"
         return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}
     generated = generated_records(out)
-    if cfg.generate.two_pass_overlap:
+    todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
+    if cfg.generate.two_pass_overlap and todo:  # with nothing left to regenerate, no plain engine is started
         totals = _run_overlapped(cfg, units, generated, verifier_path, layer_ids, out)
         storage.delete(storage.join(out, "generated"))
         return {**totals, "mode": mode}
-    todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
     first = _run_pool(cfg, todo, "plain", verifier_path, layer_ids, out) if todo else {}
     generated = generated_records(out)
     second = [Unit(u.unit_id, [generated[s["id"]] for s in u.samples], u.num_tokens) for u in units]
