@@ -213,9 +213,8 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     engines = [json.loads(Path(p).read_text()) for p in glob.glob(f"{out}/engines/*.json")]
     last_commit = max(os.path.getmtime(p) for p in glob.glob(f"{out}/parts/*.parquet"))
     ready = {e["kind"]: min(x["ready_time"] for x in engines if x["kind"] == e["kind"]) for e in engines}
-    if (
-        mode == "two_pass" and not cfg.generate.two_pass_overlap
-    ):  # regeneration: plain engine ready -> its last unit back; capture: ready -> last part
+    if mode == "two_pass" and not cfg.generate.two_pass_overlap:  # passes in turn: regeneration (plain engine
+        # ready -> its last unit back) plus capture (its engine ready -> last part)
         wall_s = summary["run_first_pass"]["end_time"] - ready["plain"] + last_commit - ready["prefill"]
         window = (ready["plain"], summary["run_first_pass"]["end_time"])  # --cpu-shares: the regeneration
     else:

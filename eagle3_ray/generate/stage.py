@@ -178,7 +178,7 @@ def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list
     generated = generated_records(out)
     todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
     if cfg.generate.two_pass_overlap and todo:  # with nothing left to regenerate, no plain engine is started
-        totals = _run_overlapped(cfg, units, generated, verifier_path, layer_ids, out)
+        totals = _run_overlapped(cfg, units, {u.unit_id for u in todo}, generated, verifier_path, layer_ids, out)
         storage.delete(storage.join(out, "generated"))
         return {**totals, "mode": mode}
     first = _run_pool(cfg, todo, "plain", verifier_path, layer_ids, out) if todo else {}
@@ -275,21 +275,22 @@ def _consume(cfg: Config, ds, num_samples: int, kind: str, created_pgs: list) ->
 def _run_overlapped(
     cfg: Config,
     units: list[Unit],
+    todo: set[str],
     generated: dict[str, dict[str, Any]],
     verifier_path: str,
     layer_ids: list[int],
     out: str,
 ) -> dict[str, Any]:
     """two_pass with `generate.two_pass_overlap`: one stream through a plain pool (RegenerateActor) into a capture
-    pool, both started at once on half of each replica's GPUs; a unit whose samples an earlier attempt regenerated
-    goes through without the plain engine."""
+    pool, both started at once on half of each replica's GPUs; a unit not in `todo` (ids of the units still to
+    regenerate) goes through without the plain engine, with its first-pass records from `generated`."""
     import ray
 
     gen = cfg.generate
     half = replace(cfg, generate=replace(gen, num_gpus_per_worker=gen.num_gpus_per_worker / 2))
     items = []
     for u in units:
-        regenerated = all(s["id"] in generated for s in u.samples)
+        regenerated = u.unit_id not in todo
         samples = [generated[s["id"]] for s in u.samples] if regenerated else u.samples
         items.append(
             {
