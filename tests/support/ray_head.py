@@ -152,6 +152,7 @@ class RayHead:
 def _head_env(temp_dir: Path, token_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # jobs run vLLM's engine core in a process of its own, as users do
     env.update(
         {
             "RAY_AUTH_MODE": "token",
@@ -161,6 +162,8 @@ def _head_env(temp_dir: Path, token_path: Path) -> dict[str, str]:
             "RAY_metrics_report_interval_ms": "1000",
             "PATH": f"{VENV_BIN}:{env.get('PATH', '')}",
             "HOME": str(temp_dir / "home"),
+            # what jobs keep in the temp dir (the tiny verifier of a run dir on S3) stays inside the test's
+            "TMPDIR": str(temp_dir / "tmp"),
         }
     )
     return env
@@ -170,6 +173,7 @@ def start_head(temp_dir: Path, *, num_cpus: int = 8, timeout_s: float = 90) -> R
     """`ray start --head --block` in a process group of its own, ready when the jobs API answers."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     (temp_dir / "home").mkdir(exist_ok=True)
+    (temp_dir / "tmp").mkdir(exist_ok=True)
     token = secrets.token_hex(32)
     token_path = temp_dir / "auth_token"
     token_path.write_text(token)
@@ -285,20 +289,25 @@ def run_job(
     )
 
 
-RECIPE = "ray_jobs/configs/tiny_cpu.yaml"
-# Lean: few prompts, short responses, small token budgets (several generate units), one epoch, short evaluation.
+RECIPE = "ray_jobs/configs/tiny_kimi_cpu.yaml"
+# The seeds' model family (a tiny Kimi-K2.5-shaped verifier: MLA + MoE under a multimodal wrapper,
+# tests/e2e/test_mla_pipeline.py reads this run too), kept small: short responses, one train worker (all batches on
+# it) for 6 short epochs at a higher learning rate so that the drafter learns something, a short evaluation at c=1.
 LEAN = [
     "ingest.max_rows=12",
     "generate.max_tokens=24",
     "generate.max_batch_tokens=256",
-    "train.epochs=1",
+    "train.num_workers=1",
+    "train.epochs=6",
+    "train.total_seq_len=256",
+    "train.lr=0.001",
+    "train.warmup_steps=2",
     "train.log_every_steps=1",
-    "evaluate.num_prompts=4",
-    "evaluate.max_tokens=16",
+    "evaluate.num_prompts=8",
+    "evaluate.max_tokens=32",
     "evaluate.concurrency=[1]",
     "evaluate.baseline_again=false",
-    # vLLM's default CPU memory check fails on a shared machine: a fixed KV cache, no compile.
-    "evaluate.engine_kwargs={enforce_eager: true, kv_cache_memory_bytes: 268435456}",
+    "evaluate.contract_prompts=4",
 ]
 
 
@@ -326,11 +335,12 @@ STOPPABLE = [
 
 @pytest.fixture(scope="session")
 def pipeline_job(ray_head, s3_server) -> FinishedJob:
-    """The whole tiny pipeline as users run it, once per session (the job, metrics and object-store tests read the
-    same run): its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's filesystems,
-    Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what `ray job stop` calls)
-    the moment generate's first unit commits, then resubmitted under the same run name, which resumes it. Returns
-    the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test through `s3_env`."""
+    """The whole tiny Kimi pipeline as users run it, once per session (the job, metrics, object-store and MLA tests
+    read the same run): its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's
+    filesystems, Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what
+    `ray job stop` calls) the moment generate's first unit commits, then resubmitted under the same run name, which
+    resumes it. Returns the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test
+    through `s3_env`."""
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full"
     entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
