@@ -146,7 +146,7 @@ def test_mla_verifier_engines_on_cpu_use_vllms_pytorch_rotary_unless_the_user_ch
 def test_every_stage_finishes_on_the_kimi_wrapped_mla_verifier(kimi_run):
     assert all(storage.is_complete(path) for path in kimi_run["latest"].values())
     generated = kimi_run["summaries"]["generate"]
-    assert generated["rows_ok"] + generated["rows_rejected"] == 32 and generated["rows_ok"] >= 28
+    assert generated["rows_ok"] + generated["rows_rejected"] == 24 and generated["rows_ok"] >= 21
 
 
 def test_capture_contract_resolves_layers_from_the_nested_text_config(kimi_run):

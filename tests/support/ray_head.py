@@ -324,10 +324,10 @@ def pipeline_entrypoint(storage_path: Path | str, name: str, *extra: str) -> lis
     ]
 
 
-# The stop must land while generate still has units to come: one sample per unit, two in flight, 32 samples.
+# The stop must land while generate still has units to come: about one sample per unit, two in flight, 24 samples.
 STOPPABLE = [
-    "ingest.max_rows=32",
-    "generate.max_tokens=48",
+    "ingest.max_rows=24",
+    "generate.max_tokens=32",
     "generate.max_batch_tokens=120",
     "generate.units_in_flight=2",
 ]
