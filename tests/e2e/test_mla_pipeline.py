@@ -20,6 +20,7 @@ import torch
 
 from eagle3_ray.core import shards, storage
 from eagle3_ray.core.layers import reference_hidden_states
+from tests.support.s3 import pointed_at
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,9 +52,7 @@ AUX, FINAL = [1, 3, 4], 6
 def kimi_run(pipeline_job, s3_server):
     """The session's pipeline job (the tiny Kimi recipe, run dir on S3): every stage's latest output, summaries and
     the evaluation's results."""
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in s3_server.env.items():
-            env.setenv(key, value)
+    with pointed_at(s3_server):
         stages = ("ingest", "generate", "train", "export", "evaluate")
         latest = {stage: storage.latest(pipeline_job.run_dir, stage)["path"] for stage in stages}
         summaries = {stage: storage.read_json(storage.join(latest[stage], "summary.json")) for stage in stages}

@@ -17,8 +17,8 @@ CHAT = [{"role": "user", "content": "Write a function that reverses a list."}]
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_llama, ray_session):
     """One CPU vLLM engine for the module, in a Ray actor of the session: vLLM's engine core runs in that actor's
-    process (conftest.py), not in pytest's, where vLLM-CPU would bind pytest's OpenMP threads to one core and
-    DataLoader workers that later tests fork from pytest would hang in their first parallel torch op."""
+    process (conftest.py), not in pytest's: after an in-process engine in pytest's own process, DataLoader workers
+    that later tests forked from pytest hung in their first torch op (also with VLLM_CPU_OMP_THREADS_BIND=nobind)."""
 
     @ray_session.remote(num_cpus=1)
     class Engine:

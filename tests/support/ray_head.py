@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,8 @@ import pytest
 
 from eagle3_ray.core import storage
 from tests.support import REPO
-from tests.support.processes import kill_processes
+from tests.support.processes import free_ports, kill_processes
+from tests.support.s3 import pointed_at
 
 VENV_BIN = Path(sys.executable).parent
 PORT_FLAGS = (
@@ -39,17 +39,6 @@ PORT_FLAGS = (
     "node-manager-port",
     "object-manager-port",
 )
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports nobody listens on now (kept open together so they differ)."""
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -344,9 +333,7 @@ def pipeline_job(ray_head, s3_server) -> FinishedJob:
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full"
     entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in s3_server.env.items():
-            env.setenv(key, value)
+    with pointed_at(s3_server):
         ray_head.submit("eagle3-full-stopped", *entrypoint, env_vars=s3_server.env)
         deadline = time.monotonic() + 600
         generate = f"{run_dir}/generate"

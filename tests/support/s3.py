@@ -7,6 +7,7 @@ the dev extra) started on a free port and stopped by its PID. pyarrow, Ray Train
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ray_head import free_ports
+from tests.support.processes import free_ports
 
 
 @dataclass
@@ -64,9 +65,17 @@ def s3_server(tmp_path_factory):
     server.process.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def pointed_at(server: S3Server):
+    """While inside, this process's environment points pyarrow (storage.*) at `server`, as a user's would at theirs."""
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in server.env.items():
+            env.setenv(key, value)
+        yield server
+
+
 @pytest.fixture
-def s3_env(s3_server, monkeypatch) -> S3Server:
-    """This test's environment points pyarrow (storage.*) at the loopback server, as a user's would at theirs."""
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    return s3_server
+def s3_env(s3_server) -> S3Server:
+    """This test's environment pointed at the loopback server."""
+    with pointed_at(s3_server):
+        yield s3_server
