@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -527,6 +528,9 @@ def _unknown(key: str, valid: list[str], where: str) -> ValueError:
     return ValueError(f"unknown config key {where}{key!r}{hint}")
 
 
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
     """Check a YAML value against a field annotation (string annotations resolved by the caller)."""
     origin = typing.get_origin(annotation)
@@ -559,6 +563,8 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         return dict(value)
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-3, a float without a dot, as a string
     if annotation in (int, float, str, bool):
         if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
             return value

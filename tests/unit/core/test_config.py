@@ -78,6 +78,13 @@ def test_overrides_apply_with_their_declared_types():
     assert cfg.run.name == "other"
 
 
+@pytest.mark.parametrize("written, value", [("1e-3", 1e-3), ("2E-4", 2e-4), ("+1.5e2", 150.0)])
+def test_a_float_in_exponent_notation_is_a_float(written, value):
+    # YAML 1.1 (PyYAML) reads an exponent without a dot, 1e-3, as a string: a float field takes it as the number
+    cfg = load_config(CONFIGS / "tiny_cpu.yaml", [f"train.lr={written}"])
+    assert cfg.train.lr == value and isinstance(cfg.train.lr, float)
+
+
 def test_defaults_load_without_a_recipe():
     assert load_config() == Config()
 
@@ -101,6 +108,8 @@ def test_unknown_key_names_it_and_suggests_the_closest(override, message):
         ("train.epochs=zero", "train.epochs"),
         ("train.epochs=0", "train.epochs"),
         ("train.epochs=true", "train.epochs"),
+        ("train.epochs=1e3", "train.epochs"),
+        ("train.lr=1e-3x", "train.lr"),
         ("train.compile=fast", "train.compile"),
         ("ingest.turns=some", "ingest.turns"),
         ("ingest.max_prompt_tokens=-1", "ingest.max_prompt_tokens"),
