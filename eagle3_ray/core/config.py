@@ -123,20 +123,16 @@ class IngestConfig:
 
 @dataclass(kw_only=True, slots=True)
 class GenerateConfig:
-    mode: Literal["generate", "capture_only", "two_pass", "auto"] = "generate"
+    mode: Literal["generate", "capture_only", "two_pass", "auto"] = "auto"
     """`generate`: regenerate responses with the verifier and capture hidden states in the same pass (one engine,
     capture during decode). `two_pass`: regenerate with a plain engine (no capture), then capture the finished
     conversations with a prefill (same tokens, masks and T = len(input_ids) - 1 as `generate`; each replica loads
     the model once per pass, one engine resident at a time). `capture_only`: conversations already have responses;
-    only capture (a prefill pass). `auto`: `two_pass` when the expected output tokens (max_tokens per turn, summed)
-    exceed `two_pass_min_output_ratio` x the prompt tokens of the pending samples, else `generate`."""
-    two_pass_min_output_ratio: float = 0.5
-    """`mode=auto` rule, from one H200 (8B-shaped verifier, vLLM 0.24, bench/gpu/generate_bench.py, 2026-12-01):
-    decode d = 23.8k tok/s plain vs 0.33 d with capture in the same engine; capture prefill c = 38.6k tok/s. Per
-    sample one pass costs O/(0.33 d), two passes O/d + (P+O)/c, so two passes win when
-    O > P (d/c) / (1/0.33 - 1 - d/c) ~ 0.44 P (P prompt, O output tokens). The stage itself, same prompts: two_pass
-    1.38x one pass at 256 output tokens (O = 5.9 P) and 1.25x at 2048 (O = 47 P). Not counted: two_pass's second
-    engine start per replica (40 s for the 8B here; a 1T-class model loads for 20+ minutes)."""
+    only capture (a prefill pass). `auto`: `generate` or `two_pass`, whichever costs less by engine costs measured per
+    platform (eagle3_ray/generate/mode.py: decode with and without capture, capture prefill, engine start), for the
+    pending samples' prompt and output tokens; the `auto_mode` log line says which and why. On CPUs that is always
+    `generate`; on GPUs `two_pass` once the outputs outweigh the second engine start, and always with
+    `two_pass_overlap`."""
     two_pass_overlap: bool = field(default=False, metadata=NOT_IN_VERSION)
     """two_pass: run the capture engines beside the plain ones, each unit going on to capture as soon as it is
     regenerated. The capture engines then load while the first pass decodes and capture during it, so the stage no
@@ -234,7 +230,6 @@ class GenerateConfig:
         _check(self.pinned_buffer_bytes >= 0, "generate.pinned_buffer_bytes", "must be >= 0")
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
         _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
-        _check(self.two_pass_min_output_ratio > 0, "generate.two_pass_min_output_ratio", "must be > 0")
         _check(
             not (self.two_pass_overlap and self.num_gpus_per_worker > 0)
             or "kv_cache_memory_bytes" in self.engine_kwargs,

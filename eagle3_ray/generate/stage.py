@@ -23,8 +23,9 @@ from eagle3_ray.core import shards, stage, storage, telemetry
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.raycluster import ensure_ray
 from eagle3_ray.core.verifiers import verifier_dir
-from eagle3_ray.generate.chat import ChatEncoder, user_turns
+from eagle3_ray.generate.chat import ChatEncoder
 from eagle3_ray.generate.engine import EngineActor, RegenerateActor
+from eagle3_ray.generate.mode import resolve_mode
 from eagle3_ray.generate.output import capture_contract, clean_orphans, committed_ids, finalise
 
 STAGE = "generate"
@@ -187,26 +188,6 @@ def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list
     totals = _run_pool(cfg, second, "prefill", verifier_path, layer_ids, out)
     storage.delete(storage.join(out, "generated"))  # every first-pass record is captured in a part by now
     return {**totals, "first_pass": first, "mode": mode}
-
-
-def resolve_mode(cfg: Config, units: list[Unit]) -> str:
-    """`auto` -> two_pass when the pending samples' output tokens (max_tokens per user turn) exceed
-    generate.two_pass_min_output_ratio x their prompt tokens (the rule and its numbers: GenerateConfig.mode)."""
-    gen = cfg.generate
-    if gen.mode != "auto":
-        return gen.mode
-    output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
-    prompt = sum(u.num_tokens for u in units) - output
-    mode = "two_pass" if output > gen.two_pass_min_output_ratio * max(prompt, 1) else "generate"
-    telemetry.log(
-        STAGE,
-        "auto_mode",
-        mode=mode,
-        output_tokens=output,
-        prompt_tokens=prompt,
-        min_output_ratio=gen.two_pass_min_output_ratio,
-    )
-    return mode
 
 
 def generated_records(out: str) -> dict[str, dict[str, Any]]:

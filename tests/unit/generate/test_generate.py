@@ -241,16 +241,33 @@ def test_a_capture_file_read_whole_holds_what_the_connector_wrote(tmp_path):
         shards.read_safetensors(str(tmp_path / "cut.safetensors"))
 
 
-def test_auto_mode_picks_two_pass_unless_outputs_are_short_against_prompts(tmp_path):
-    from eagle3_ray.generate.stage import Unit, resolve_mode
+def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs(tmp_path, capsys):
+    from eagle3_ray.generate.mode import resolve_mode
+    from eagle3_ray.generate.stage import Unit
 
     sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
-    # 43 prompt tokens (the builtin prompts' mean) + max_tokens: the H200 bench's workloads (256 and 2048 output
-    # tokens, where two_pass measured faster) and a short answer below the 0.5 x prompt break-even
-    for max_tokens, mode in ((16, "generate"), (256, "two_pass"), (2048, "two_pass")):
-        cfg = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens)
-        assert resolve_mode(cfg, [Unit("u", [sample], 43 + max_tokens)]) == mode, max_tokens
+
+    def mode(num_samples: int, max_tokens: int, **generate) -> str:
+        # 43 prompt tokens per sample: the builtin prompts' mean
+        cfg = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens, **generate)
+        return resolve_mode(cfg, [Unit("u", [sample] * num_samples, num_samples * (43 + max_tokens))])
+
+    # CPU: capture during decode costs little against a plain decode, so one pass at any length
+    assert mode(200, 256) == mode(10_000, 2048) == "generate"
+    # GPU: 200 prompts x 256 tokens do not pay for the second engine start (the H200 bench's one-pass stage wall was
+    # the shorter one there); 9,460 ShareGPT-sized samples x 512 do
+    gpu = {"num_gpus_per_worker": 1}
+    assert mode(200, 256, **gpu) == "generate"
+    assert mode(9_460, 512, **gpu) == "two_pass"
+    # the same work over 16 replicas: each replica's share no longer pays for its second start
+    assert mode(9_460, 512, num_replicas=16, **gpu) == "generate"
+    # with the overlap the capture engine starts beside the plain pass: two passes whenever there is output
+    overlap = {**gpu, "two_pass_overlap": True, "engine_kwargs": {"kv_cache_memory_bytes": 1 << 30}}
+    assert mode(1, 16, **overlap) == "two_pass"
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "auto_mode" in line and "mode=two_pass" in line and "costs=cuda" in line and "overlap=True" in line
     assert resolve_mode(generate_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
+    assert generate_cfg(tmp_path, "unused").generate.mode == "auto"  # the default
 
 
 def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():

