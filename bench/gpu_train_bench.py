@@ -175,11 +175,12 @@ def write_both_formats(work: str, verifier: str, shape: dict, aux: list[int], sa
             "hidden_states_dtype": "bfloat16",
         },
     )
-    _write_spec_dataset(spec_dir, spec_rows)
+    write_spec_dataset(spec_dir, spec_rows)
     return gen_dir, spec_dir
 
 
-def _write_spec_dataset(spec_dir: str, rows: list[dict]) -> None:
+def write_spec_dataset(spec_dir: str, rows: list[dict]) -> None:
+    """speculators' datasets folder: one row per sample (input_ids, loss_mask, seq_len)."""
     from datasets import Dataset
 
     ds = Dataset.from_list(rows)
@@ -376,6 +377,63 @@ def epoch_seconds(stamped_log: str) -> dict[int, float]:
     }
 
 
+def speculators_cli_command(
+    verifier: str,
+    spec_dir: str,
+    aux: list[int],
+    *,
+    draft_vocab: int,
+    epochs: int,
+    save_path: str,
+    total_seq_len: int | None,
+    optimizer: str | None = None,
+    extra: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """`python -m speculators.train` on a data dir written by write_both_formats / bench/gpu/parity.py (its d2t / t2d
+    `.npy` beside the data): one draft layer, 3 TTT steps, the eager loss (its fused loss fails under torch 2.11's
+    dynamo), mask token 0, its train/validation split and seed; everything else its own defaults (total_seq_len
+    8192 when None, Muon when `optimizer` is None, lr 1e-3, linear schedule)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "speculators.train",
+        "--verifier-name-or-path",
+        verifier,
+        "--data-path",
+        spec_dir,
+        "--target-layer-ids",
+        *map(str, aux),
+        "--draft-vocab-size",
+        str(draft_vocab),
+        "--d2t-path",
+        os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"),
+        "--t2d-path",
+        os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"),
+        "--mask-token-id",
+        "0",
+        "--num-layers",
+        "1",
+        "--ttt-steps",
+        "3",
+        "--loss-implementation",
+        "eager",
+        "--epochs",
+        str(epochs),
+        "--train-data-ratio",
+        str(TRAIN_DATA_RATIO),
+        "--seed",
+        str(SEED),
+        "--save-path",
+        save_path,
+        *extra,
+    ]
+    if total_seq_len is not None:
+        cmd += ["--total-seq-len", str(total_seq_len)]
+    if optimizer is not None:
+        cmd += ["--optimizer", optimizer]
+    return cmd
+
+
 def time_speculators_cli(
     verifier: str,
     spec_dir: str,
@@ -396,47 +454,17 @@ def time_speculators_cli(
     train split's seq_len, the same sampler and seed). `optimizer` None: its own default (Muon)."""
     save_path = os.path.join(work, f"spec_ckpt_{total_seq_len}")
     num_epochs = warmup_epochs + timed_epochs
-    cmd = [
-        sys.executable,
-        "-m",
-        "speculators.train",
-        "--verifier-name-or-path",
+    cmd = speculators_cli_command(
         verifier,
-        "--data-path",
         spec_dir,
-        "--target-layer-ids",
-        *map(str, aux),
-        "--draft-vocab-size",
-        str(draft_vocab),
-        "--d2t-path",
-        os.path.join(spec_dir, f"d2t-{draft_vocab}.npy"),
-        "--t2d-path",
-        os.path.join(spec_dir, f"t2d-{draft_vocab}.npy"),
-        "--mask-token-id",
-        "0",
-        "--total-seq-len",
-        str(total_seq_len),
-        "--num-layers",
-        "1",
-        "--ttt-steps",
-        "3",
-        "--loss-implementation",
-        "eager",
-        "--epochs",
-        str(num_epochs),
-        "--log-freq",
-        "1000000",
-        "--train-data-ratio",
-        str(TRAIN_DATA_RATIO),
-        "--seed",
-        str(SEED),
-        "--num-workers",
-        str(num_loader_workers),
-        "--save-path",
-        save_path,
-    ]
-    if optimizer is not None:
-        cmd += ["--optimizer", optimizer]
+        aux,
+        draft_vocab=draft_vocab,
+        epochs=num_epochs,
+        save_path=save_path,
+        total_seq_len=total_seq_len,
+        optimizer=optimizer,
+        extra=["--log-freq", "1000000", "--num-workers", str(num_loader_workers)],
+    )
     log_path = os.path.join(work, f"speculators_{total_seq_len}.log")
     # its rich console handler wraps at the terminal width; wide lines keep each log line on one line
     env = {**os.environ, "COLUMNS": "400", "PYTHONUNBUFFERED": "1"}

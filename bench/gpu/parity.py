@@ -1,0 +1,158 @@
+"""Our drafter against speculators' own Trainer on the same captured data, both served by the same vLLM in one call.
+
+    python3 bench/gpu/parity.py ray_jobs/configs/smollm2_h200.yaml --set run.storage_path=/tmp/runs <the run's
+        overrides> --epochs 3 --out $OUT/parity.json
+
+The recipe and overrides name a run; its latest export is measured, with the train and generate outputs that export
+came from (their provenance.json). From that generate output this writes speculators' data format: per-sample
+`hidden_states/hs_{i}.safetensors` (`token_ids` + `hidden_states`) and a datasets folder of input_ids / loss_mask /
+seq_len, the first T = len(input_ids) - 1 tokens (those the capture covers), with the run's own draft vocabulary
+(train/<version>/vocab: the same d2t / t2d for both drafters). It then trains speculators' drafter with
+`python3 -m speculators.train` and its own defaults (Muon, lr 1e-3, linear schedule, total_seq_len 8192, ttt 3) for
+`--epochs` epochs, and measures plain decoding, the run's exported drafter and speculators' last checkpoint on the
+recipe's evaluate prompts, at every `evaluate.num_speculative_tokens` and `evaluate.concurrency`, with the evaluate
+stage's engines. speculators' Trainer needs a GPU; `--theirs DIR` skips its training and measures DIR instead (the
+CPU rehearsal passes the run's own export there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # eagle3_ray on the H200 machine (PYTHONPATH); gpu_train_bench
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from gpu_train_bench import speculators_cli_command, write_spec_dataset  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from eagle3_ray.core import shards, storage, verifiers  # noqa: E402
+from eagle3_ray.core.config import load_config  # noqa: E402
+from eagle3_ray.evaluate import report  # noqa: E402
+from eagle3_ray.evaluate import stage as evaluate  # noqa: E402
+
+
+def write_speculators_data(gen_dir: str, vocab_dir: str, spec_dir: str) -> dict:
+    """speculators' data format from a generate output and a draft vocabulary; returns counts. A finished dir (its
+    counts.json) is kept: a later call goes on to training."""
+    done = Path(spec_dir, "counts.json")
+    if done.exists():
+        return json.loads(done.read_text())
+    manifest = pq.read_table(os.path.join(gen_dir, "manifest.parquet")).to_pylist()
+    conversations = {r["id"]: r for r in pq.read_table(os.path.join(gen_dir, "conversations.parquet")).to_pylist()}
+    os.makedirs(os.path.join(spec_dir, "hidden_states"), exist_ok=True)
+    rows, tokens = [], 0
+    for i, m in enumerate(sorted(manifest, key=lambda m: m["id"])):
+        t, conv = m["num_tokens"], conversations[m["id"]]
+        ids = torch.tensor(conv["input_ids"][:t], dtype=torch.long)
+        hs = shards.read_sample(os.path.join(gen_dir, "shards", m["shard"]), m["key"], torch.bfloat16)
+        if hs.shape[0] != t:
+            raise ValueError(f"{m['id']}: {hs.shape[0]} captured tokens, the manifest says {t}")
+        save_file(
+            {"token_ids": ids, "hidden_states": hs.contiguous()},
+            os.path.join(spec_dir, "hidden_states", f"hs_{i}.safetensors"),
+        )
+        rows.append({"input_ids": ids.tolist(), "loss_mask": conv["loss_mask"][:t], "seq_len": t})
+        tokens += t
+    write_spec_dataset(spec_dir, rows)
+    draft_vocab = np.load(os.path.join(vocab_dir, "d2t.npy")).size
+    for name in ("d2t", "t2d"):  # the run's own mapping, in the file names speculators_cli_command passes
+        Path(spec_dir, f"{name}-{draft_vocab}.npy").write_bytes(Path(vocab_dir, f"{name}.npy").read_bytes())
+    counts = {"samples": len(rows), "tokens": tokens, "draft_vocab_size": draft_vocab}
+    done.write_text(json.dumps(counts))
+    return counts
+
+
+def train_speculators(verifier_dir: str, spec_dir: str, aux: list[int], draft_vocab: int, epochs: int, work: str):
+    """speculators' Trainer through its CLI with its defaults; returns (its last checkpoint dir, wall seconds). The CLI
+    resumes from its last epoch checkpoint in `save_path`, so a call cut short at the machine's time limit goes on
+    in the next one."""
+    save_path = os.path.join(work, "speculators_ckpt")
+    cmd = speculators_cli_command(
+        verifier_dir, spec_dir, aux, draft_vocab=draft_vocab, epochs=epochs, save_path=save_path, total_seq_len=None
+    )
+    log_path = os.path.join(work, "speculators_train.log")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})
+    if code != 0:
+        raise RuntimeError(f"speculators.train exited {code}; tail:\n{open(log_path).read()[-3000:]}")
+    epochs_saved = [p for p in Path(save_path).iterdir() if p.name.isdigit() and (p / "config.json").exists()]
+    return str(max(epochs_saved, key=lambda p: int(p.name))), time.perf_counter() - t0
+
+
+def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str) -> list[dict]:
+    """Plain decoding once, then every drafter at every k and concurrency on the recipe's evaluate prompts."""
+    from eagle3_ray.core import contract
+    from eagle3_ray.core.raycluster import ensure_ray
+
+    prompts = evaluate.load_prompts(cfg)
+    tokenizer = evaluate._tokenizer(verifier_dir, cfg.verifier.trust_remote_code)
+    token_prompts = [evaluate._chat_ids(tokenizer, p["messages"]) for p in prompts]
+    ensure_ray(cfg.run)
+    base, _ = evaluate.plain_runs(cfg, verifier_dir, prompts, token_prompts)
+    rows = [{"drafter": None, **report.baseline_row(c, run)} for c, run in base.items()]
+    for name, drafter_dir in drafters.items():
+        for k in cfg.evaluate.num_speculative_tokens:
+            args = evaluate.engine_args(cfg, verifier_dir, drafter_dir, k)
+            spec = evaluate.run_engine(cfg, args, token_prompts, prompts)
+            contract.check_vllm_aux_layers(spec["speculative"]["aux_layer_ids"], capture, capture_where=capture_where)
+            for c, run in spec["runs"].items():
+                tokens_per_s = sum(len(o) for o in run["outputs"]) / run["wall_s"]
+                rows.append(
+                    {
+                        "drafter": name,
+                        "num_speculative_tokens": k,
+                        "concurrency": c,
+                        "tokens_per_s": tokens_per_s,
+                        "speedup": tokens_per_s / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c),
+                        **report.acceptance(run["spec"]),
+                        "acceptance_per_position": report.per_position(run["spec"]),
+                    }
+                )
+                print("RESULT", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("--set", nargs="*", default=[], help="the run's overrides (section.field=value)")
+    p.add_argument("--epochs", type=int, default=3, help="speculators' Trainer epochs (its default is 20)")
+    p.add_argument("--theirs", help="a drafter dir to measure instead of training speculators' (CPU rehearsal)")
+    p.add_argument("--work", default="/tmp/parity")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    cfg = load_config(args.recipe, args.set)
+    # the run's latest export, and the train and generate outputs it came from
+    export_dir = storage.latest(cfg.run.run_dir, "export")["path"]
+    train_dir = storage.read_json(storage.join(export_dir, "provenance.json"))["inputs"]["train"]
+    gen_dir = storage.read_json(storage.join(train_dir, "provenance.json"))["inputs"]["generate"]
+    capture_where = storage.join(export_dir, "capture.json")
+    capture = storage.read_json(capture_where)
+    verifier_dir = verifiers.verifier_dir(cfg)
+    result = {"recipe": args.recipe, "overrides": args.set, "generate": gen_dir, "export": export_dir}
+    theirs, result["speculators_train_s"] = args.theirs, None
+    if theirs is None:
+        spec_dir = os.path.join(args.work, "spec_data")
+        result["data"] = write_speculators_data(gen_dir, storage.join(train_dir, "vocab"), spec_dir)
+        print("RESULT data", json.dumps(result["data"]), flush=True)
+        theirs, result["speculators_train_s"] = train_speculators(
+            verifier_dir, spec_dir, capture["aux_layer_ids"], result["data"]["draft_vocab_size"], args.epochs, args.work
+        )
+    drafters = {"ours": storage.join(export_dir, "speculators"), "speculators": theirs}
+    result["drafters"] = drafters
+    result["rows"] = measure(cfg, verifier_dir, drafters, capture, capture_where)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
