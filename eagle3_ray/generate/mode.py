@@ -56,12 +56,17 @@ def estimate_s(costs: EngineCosts, prompt_tokens: int, output_tokens: int, overl
     return {"generate": one, "two_pass": two}
 
 
-def resolve_mode(cfg: Config, units: list[Any]) -> str:
+def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str:
     """The mode the stage runs: `generate.mode`, or for `auto` the cheaper of `generate` and `two_pass` by
-    estimate_s over the pending units (output tokens: max_tokens per user turn), logged as `auto_mode`."""
+    estimate_s over the pending units (output tokens: max_tokens per user turn), logged as `auto_mode`. An `auto`
+    run that left first-pass records (`first_pass_done` of them) resumes as `two_pass`: fewer pending units would
+    weigh the second engine start more, and the records would be regenerated for nothing."""
     gen = cfg.generate
     if gen.mode != "auto":
         return gen.mode
+    if first_pass_done:
+        telemetry.log("generate", "auto_mode", mode="two_pass", resumed_first_pass_records=first_pass_done)
+        return "two_pass"
     output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
     prompt = max(sum(u.num_tokens for u in units) - output, 0)
     replicas = max(gen.num_replicas, 1)

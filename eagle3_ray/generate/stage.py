@@ -172,11 +172,11 @@ def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list
     `capture_only` run one pool; `two_pass` runs a plain pool over the units not yet regenerated, then (that pool
     gone, its GPUs free) a capture pool over the regenerated conversations, or with `generate.two_pass_overlap` both
     pools at once in one stream (_run_overlapped)."""
-    mode = resolve_mode(cfg, units)
+    generated = generated_records(out)
+    mode = resolve_mode(cfg, units, first_pass_done=len(generated))
     if mode != "two_pass":
         kind = "prefill" if mode == "capture_only" else "generate"
         return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}
-    generated = generated_records(out)
     todo = [u for u in units if any(s["id"] not in generated for s in u.samples)]
     if cfg.generate.two_pass_overlap and todo:  # with nothing left to regenerate, no plain engine is started
         totals = _run_overlapped(cfg, units, {u.unit_id for u in todo}, generated, verifier_path, layer_ids, out)

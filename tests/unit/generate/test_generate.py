@@ -266,6 +266,10 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs
     assert mode(1, 16, **overlap) == "two_pass"
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "auto_mode" in line and "mode=two_pass" in line and "costs=cuda" in line and "overlap=True" in line
+    # an auto run that left first-pass records goes on as two_pass, even where a fresh run would take one pass
+    cpu = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=256)
+    assert resolve_mode(cpu, [Unit("u", [sample], 43 + 256)], first_pass_done=3) == "two_pass"
+    assert "resumed_first_pass_records=3" in capsys.readouterr().out
     assert resolve_mode(generate_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
     assert generate_cfg(tmp_path, "unused").generate.mode == "auto"  # the default
 
