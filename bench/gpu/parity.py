@@ -95,8 +95,7 @@ def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, cap
     from eagle3_ray.core.raycluster import ensure_ray
 
     prompts = evaluate.load_prompts(cfg)
-    tokenizer = evaluate._tokenizer(verifier_dir, cfg.verifier.trust_remote_code)
-    token_prompts = [evaluate._chat_ids(tokenizer, p["messages"]) for p in prompts]
+    token_prompts = evaluate.tokenize_prompts(verifier_dir, prompts, cfg.verifier.trust_remote_code)
     ensure_ray(cfg.run)
     base, _ = evaluate.plain_runs(cfg, verifier_dir, prompts, token_prompts)
     rows = [{"drafter": None, **report.baseline_row(c, run)} for c, run in base.items()]
@@ -106,7 +105,7 @@ def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, cap
             spec = evaluate.run_engine(cfg, args, token_prompts, prompts)
             contract.check_vllm_aux_layers(spec["speculative"]["aux_layer_ids"], capture, capture_where=capture_where)
             for c, run in spec["runs"].items():
-                tokens_per_s = sum(len(o) for o in run["outputs"]) / run["wall_s"]
+                tokens_per_s = report.baseline_row(c, run)["tokens_per_s"]
                 rows.append(
                     {
                         "drafter": name,

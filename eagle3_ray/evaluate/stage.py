@@ -184,7 +184,8 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def _tokenize(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:
+def tokenize_prompts(verifier_dir: str, prompts: list[dict[str, Any]], trust_remote_code: bool) -> list[list[int]]:
+    """Each prompt's messages through the verifier's chat template, with the generation prompt: what vLLM decodes."""
     tokenizer = _tokenizer(verifier_dir, trust_remote_code)
     return [_chat_ids(tokenizer, p["messages"]) for p in prompts]
 

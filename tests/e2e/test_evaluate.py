@@ -113,7 +113,7 @@ def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, t
     cfg = make_cfg(untrained_run, tiny_llama, concurrency=[4])
     export.run(cfg)
     drafter = storage.latest(str(untrained_run), "export")["speculators_dir"]
-    prompts = evaluate._tokenize(tiny_llama, evaluate.load_prompts(cfg), False)
+    prompts = evaluate.tokenize_prompts(tiny_llama, evaluate.load_prompts(cfg), False)
     run = evaluate.run_engine(cfg, evaluate.engine_args(cfg, tiny_llama, drafter, 3), prompts)["runs"][4]
     untrained_rate = run["spec"]["num_accepted_tokens"] / run["spec"]["num_draft_tokens"]
     trained_row = next(r for r in spec_rows(trained["results"]) if r["concurrency"] == 4)
