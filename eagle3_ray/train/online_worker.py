@@ -140,7 +140,7 @@ class StreamBatches:
         ks = acceptance.replay_lengths(cfg.evaluate.num_speculative_tokens, cfg.train.ttt_steps)
         with self.loop.autocast:
             draft, _loss, step_metrics = raw(**tensors, **self.loop.kwargs)
-            replay = acceptance.batch_replay_counts(raw, draft, tensors, ks)
+            replay = acceptance.batch_replay_counts(raw, draft, tensors, ks, cfg.evaluate.max_tokens)
         self.val_sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay)
         raw.train()
 

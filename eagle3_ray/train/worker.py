@@ -627,7 +627,9 @@ class Loop:
                     self.raw, tensors["verifier_last_hidden_states"], tensors["input_ids"], tensors["document_ids"]
                 )
                 diag = acceptance.target_diagnostics(self.raw, draft, tensors, ks)  # why replay != acc_k, if it is
-            replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks)
+            replay = acceptance.replay_counts(
+                draft, targets, tensors["loss_mask"], tensors["document_ids"], ks, self.cfg.evaluate.max_tokens
+            )
             sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay, **diag)
         reduced = sums.reduce()
         return {

@@ -67,6 +67,22 @@ def test_a_draft_stops_at_its_documents_end_and_the_next_document_starts_fresh()
     assert cut["accepted_2"] == 1  # the draft at 0 ends with its document after 2 tokens
 
 
+def test_the_replay_covers_the_first_max_tokens_response_tokens_of_each_document_as_vllm_decodes_them():
+    # two packed documents, each a 2-token prompt and a 5-token response; the drafter is right only late in a response
+    docs = [0] * 7 + [1] * 7
+    mask = [0, 0, 1, 1, 1, 1, 1] * 2
+    bounded = acceptance.first_response_tokens(row(mask), row(docs), 3)
+    assert bounded.tolist() == [[0, 0, 1, 1, 1, 0, 0] * 2] and bounded.dtype == row(mask).dtype
+    assert torch.equal(acceptance.first_response_tokens(row(mask), row(docs), None), row(mask))
+    targets = list(range(100, 114))
+    step0 = [t if i % 7 >= 5 else 0 for i, t in enumerate(targets)]  # right at response tokens 4 and 5 only
+    whole = acceptance.replay_counts([row(step0)], row(targets), row(mask), row(docs), [1])
+    first3 = acceptance.replay_counts([row(step0)], row(targets), row(mask), row(docs), [1], max_tokens=3)
+    # over whole responses: starts 2, 3, 4, 5 (accepted, jumps past 6) per document; over the first 3: 2, 3, 4, no hit
+    assert (whole["replay_k1_drafts"], whole["replay_k1_accepted"]) == (8, 2)
+    assert (first3["replay_k1_drafts"], first3["replay_k1_accepted"]) == (6, 0)
+
+
 def test_summary_uses_vllms_definitions_and_names_the_largest_k():
     sums = {
         "replay_k1_drafts": 4.0,
