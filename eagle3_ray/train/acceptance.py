@@ -173,6 +173,7 @@ def target_diagnostics(
     draft_tokens: list[torch.Tensor],
     batch: dict[str, torch.Tensor],
     ks: list[int],
+    max_tokens: int | None = None,
 ) -> dict[str, float]:
     """Summable counts that tell, from one validation run, why the replay and the teacher-forced accuracy disagree;
     call it under the forward's autocast, like `target_ids`. `target_ids` keeps a target only where the verifier's
@@ -185,8 +186,9 @@ def target_diagnostics(
       norm here is not the one that generated them.
     - `diag_outside_vocab`: the row's next token is outside the draft vocabulary (t2d), over `diag_positions_0`.
     - `diag_fp32_agree`: the restricted argmax under the autocast equals the float32 one, over `diag_positions_0`.
-    - `diag_nomask_replay_k{k}_*`: the replay against the restricted argmax with no next-token check (what
-      speculators' acc_k scores against); `diagnostics_summary` turns it into an acceptance length."""
+    - `diag_nomask_replay_k{k}_*`: the replay (over the same first `max_tokens` response tokens) against the
+      restricted argmax with no next-token check (what speculators' acc_k scores against); `diagnostics_summary`
+      turns it into an acceptance length."""
     hidden, input_ids = batch["verifier_last_hidden_states"], batch["input_ids"]
     mask, docs = batch["loss_mask"].reshape(-1).bool(), batch["document_ids"].reshape(-1)
     restricted = model.verifier_lm_head(model.verifier_norm(hidden)).argmax(dim=-1)
@@ -206,7 +208,7 @@ def target_diagnostics(
     outside = torch.zeros_like(ok) if model.t2d is None else ~model.t2d.bool()[ids[t + 1]]
     out["diag_outside_vocab"] = float((ok & outside).sum())
     out["diag_fp32_agree"] = float((ok & (restricted.reshape(-1)[t] == restricted32.reshape(-1)[t])).sum())
-    nomask = replay_counts(draft_tokens, restricted, batch["loss_mask"], batch["document_ids"], ks)
+    nomask = replay_counts(draft_tokens, restricted, batch["loss_mask"], batch["document_ids"], ks, max_tokens)
     out.update({f"diag_nomask_{k}": v for k, v in nomask.items()})
     return out
 

@@ -619,6 +619,7 @@ class Loop:
         self.model.eval()
         sums = MetricSums()
         ks = acceptance.replay_lengths(self.cfg.evaluate.num_speculative_tokens, self.cfg.train.ttt_steps)
+        tokens = self.cfg.evaluate.max_tokens  # the replay covers the response tokens evaluate decodes
         for batch in self.val_loader:
             tensors = to_device(batch, self.device)
             with self.autocast:
@@ -626,10 +627,8 @@ class Loop:
                 targets = acceptance.target_ids(
                     self.raw, tensors["verifier_last_hidden_states"], tensors["input_ids"], tensors["document_ids"]
                 )
-                diag = acceptance.target_diagnostics(self.raw, draft, tensors, ks)  # why replay != acc_k, if it is
-            replay = acceptance.replay_counts(
-                draft, targets, tensors["loss_mask"], tensors["document_ids"], ks, self.cfg.evaluate.max_tokens
-            )
+                diag = acceptance.target_diagnostics(self.raw, draft, tensors, ks, tokens)  # why replay != acc_k
+            replay = acceptance.replay_counts(draft, targets, tensors["loss_mask"], tensors["document_ids"], ks, tokens)
             sums.add(metric_tensors(step_metrics), bad_samples=float(batch["error_records"]), **replay, **diag)
         reduced = sums.reduce()
         return {
