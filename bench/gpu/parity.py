@@ -4,15 +4,19 @@
         overrides> --epochs 3 --out $OUT/parity.json
 
 The recipe and overrides name a run; its latest export is measured, with the train and generate outputs that export
-came from (their provenance.json). From that generate output this writes speculators' data format: per-sample
+came from (their provenance.json). From that generate output this writes speculators' data format for the samples
+of our training split (our validation samples stay held out from both drafters): per-sample
 `hidden_states/hs_{i}.safetensors` (`token_ids` + `hidden_states`) and a datasets folder of input_ids / loss_mask /
 seq_len, the first T = len(input_ids) - 1 tokens (those the capture covers), with the run's own draft vocabulary
 (train/<version>/vocab: the same d2t / t2d for both drafters). It then trains speculators' drafter with
 `python3 -m speculators.train` and its own defaults (Muon, lr 1e-3, linear schedule, total_seq_len 8192, ttt 3) for
 `--epochs` epochs, and measures plain decoding, the run's exported drafter and speculators' last checkpoint on the
 recipe's evaluate prompts, at every `evaluate.num_speculative_tokens` and `evaluate.concurrency`, with the evaluate
-stage's engines. speculators' Trainer needs a GPU; `--theirs DIR` skips its training and measures DIR instead (the
-CPU rehearsal passes the run's own export there).
+stage's engines: speed, acceptance (per MT-Bench category too), and each drafter's acceptance on the run's first
+`evaluate.contract_prompts` validation prompts next to training's replay estimate (`predicted_vs_measured`).
+speculators' Trainer needs a GPU; `--theirs DIR` skips its training and measures DIR instead (the CPU rehearsal
+passes the run's own export there). `--stage train` / `--stage measure` split the work over two calls of at most
+10 minutes each.
 """
 
 from __future__ import annotations
@@ -40,13 +44,18 @@ from eagle3_ray.evaluate import report  # noqa: E402
 from eagle3_ray.evaluate import stage as evaluate  # noqa: E402
 
 
-def write_speculators_data(gen_dir: str, vocab_dir: str, spec_dir: str) -> dict:
-    """speculators' data format from a generate output and a draft vocabulary; returns counts. A finished dir (its
-    counts.json) is kept: a later call goes on to training."""
+def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str) -> dict:
+    """speculators' data format from a generate output, for the samples of our training split (train/split.json: our
+    validation samples stay held out from both drafters) with our draft vocabulary; returns counts. A finished dir
+    (its counts.json) is kept: a later call goes on to training."""
     done = Path(spec_dir, "counts.json")
     if done.exists():
         return json.loads(done.read_text())
-    manifest = pq.read_table(os.path.join(gen_dir, "manifest.parquet")).to_pylist()
+    vocab_dir = storage.join(train_dir, "vocab")
+    val_ids = set(storage.read_json(storage.join(train_dir, "split.json"))["val_ids"])
+    manifest = [
+        m for m in pq.read_table(os.path.join(gen_dir, "manifest.parquet")).to_pylist() if m["id"] not in val_ids
+    ]
     conversations = {r["id"]: r for r in pq.read_table(os.path.join(gen_dir, "conversations.parquet")).to_pylist()}
     os.makedirs(os.path.join(spec_dir, "hidden_states"), exist_ok=True)
     rows, tokens = [], 0
@@ -66,7 +75,7 @@ def write_speculators_data(gen_dir: str, vocab_dir: str, spec_dir: str) -> dict:
     draft_vocab = np.load(os.path.join(vocab_dir, "d2t.npy")).size
     for name in ("d2t", "t2d"):  # the run's own mapping, in the file names speculators_cli_command passes
         Path(spec_dir, f"{name}-{draft_vocab}.npy").write_bytes(Path(vocab_dir, f"{name}.npy").read_bytes())
-    counts = {"samples": len(rows), "tokens": tokens, "draft_vocab_size": draft_vocab}
+    counts = {"samples": len(rows), "held_out": len(val_ids), "tokens": tokens, "draft_vocab_size": draft_vocab}
     done.write_text(json.dumps(counts))
     return counts
 
@@ -85,25 +94,41 @@ def train_speculators(verifier_dir: str, spec_dir: str, aux: list[int], draft_vo
         code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})
     if code != 0:
         raise RuntimeError(f"speculators.train exited {code}; tail:\n{open(log_path).read()[-3000:]}")
+    return last_checkpoint(save_path), time.perf_counter() - t0
+
+
+def last_checkpoint(save_path: str) -> str:
+    """speculators' last epoch checkpoint dir (`<save_path>/<epoch>/` with its config.json)."""
     epochs_saved = [p for p in Path(save_path).iterdir() if p.name.isdigit() and (p / "config.json").exists()]
-    return str(max(epochs_saved, key=lambda p: int(p.name))), time.perf_counter() - t0
+    if not epochs_saved:
+        raise FileNotFoundError(f"no speculators checkpoint in {save_path}: run --stage train first")
+    return str(max(epochs_saved, key=lambda p: int(p.name)))
 
 
-def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str) -> list[dict]:
-    """Plain decoding once, then every drafter at every k and concurrency on the recipe's evaluate prompts."""
+def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str, gen_dir: str):
+    """Plain decoding once, then every drafter at every k and concurrency on the recipe's evaluate prompts, and on
+    the run's first `evaluate.contract_prompts` validation prompts (the split training's replay estimate was computed
+    on). Returns the rows and, for our drafter, training's prediction next to both measurements."""
     from eagle3_ray.core import contract
     from eagle3_ray.core.raycluster import ensure_ray
 
     prompts = evaluate.load_prompts(cfg)
     token_prompts = evaluate.tokenize_prompts(verifier_dir, prompts, cfg.verifier.trust_remote_code)
+    own = evaluate.validation_prompts(cfg, gen_dir)
+    own_tokens = evaluate.tokenize_prompts(verifier_dir, own, cfg.verifier.trust_remote_code)
     ensure_ray(cfg.run)
     base, _ = evaluate.plain_runs(cfg, verifier_dir, prompts, token_prompts)
     rows = [{"drafter": None, **report.baseline_row(c, run)} for c, run in base.items()]
+    predictions = {}
     for name, drafter_dir in drafters.items():
+        infos, contract_runs, own_rows = {}, {}, []
         for k in cfg.evaluate.num_speculative_tokens:
             args = evaluate.engine_args(cfg, verifier_dir, drafter_dir, k)
-            spec = evaluate.run_engine(cfg, args, token_prompts, prompts)
-            contract.check_vllm_aux_layers(spec["speculative"]["aux_layer_ids"], capture, capture_where=capture_where)
+            spec = evaluate.run_engine(cfg, args, token_prompts, prompts, contract_prompts=own_tokens)
+            infos[k] = spec["speculative"]
+            contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
+            if "contract" in spec:
+                contract_runs[k] = spec["contract"]["spec"]
             for c, run in spec["runs"].items():
                 tokens_per_s = report.baseline_row(c, run)["tokens_per_s"]
                 rows.append(
@@ -113,12 +138,31 @@ def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, cap
                         "concurrency": c,
                         "tokens_per_s": tokens_per_s,
                         "speedup": tokens_per_s / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c),
+                        **{key: run["spec"][key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
                         **report.acceptance(run["spec"]),
                         "acceptance_per_position": report.per_position(run["spec"]),
+                        "by_category": report.breakdown(run, base[c], "category"),
                     }
                 )
+                own_rows.append(rows[-1])
                 print("RESULT", json.dumps(rows[-1]), flush=True)
-    return rows
+            if k in contract_runs:
+                own_len = report.acceptance(contract_runs[k])["mean_acceptance_length"]
+                print(
+                    "RESULT",
+                    json.dumps(
+                        {
+                            "drafter": name,
+                            "k": k,
+                            "validation_prompts": len(own_tokens),
+                            "mean_acceptance_length": own_len,
+                        }
+                    ),
+                    flush=True,
+                )
+        metrics = evaluate.training_metrics(drafter_dir) if name == "ours" else {}
+        predictions[name] = evaluate.predicted_vs_measured(metrics, own_rows, infos, contract_runs)
+    return rows, predictions
 
 
 def main() -> None:
@@ -127,6 +171,12 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], help="the run's overrides (section.field=value)")
     p.add_argument("--epochs", type=int, default=3, help="speculators' Trainer epochs (its default is 20)")
     p.add_argument("--theirs", help="a drafter dir to measure instead of training speculators' (CPU rehearsal)")
+    p.add_argument(
+        "--stage",
+        choices=("all", "train", "measure"),
+        default="all",
+        help="train: speculators' drafter only; measure: both drafters, speculators' from an earlier train call",
+    )
     p.add_argument("--work", default="/tmp/parity")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -140,16 +190,24 @@ def main() -> None:
     verifier_dir = verifiers.verifier_dir(cfg)
     result = {"recipe": args.recipe, "overrides": args.set, "generate": gen_dir, "export": export_dir}
     theirs, result["speculators_train_s"] = args.theirs, None
-    if theirs is None:
+    if theirs is None and args.stage == "measure":  # trained by an earlier `--stage train` call
+        theirs = last_checkpoint(os.path.join(args.work, "speculators_ckpt"))
+    elif theirs is None:
         spec_dir = os.path.join(args.work, "spec_data")
-        result["data"] = write_speculators_data(gen_dir, storage.join(train_dir, "vocab"), spec_dir)
+        result["data"] = write_speculators_data(gen_dir, train_dir, spec_dir)
         print("RESULT data", json.dumps(result["data"]), flush=True)
         theirs, result["speculators_train_s"] = train_speculators(
             verifier_dir, spec_dir, capture["aux_layer_ids"], result["data"]["draft_vocab_size"], args.epochs, args.work
         )
+        print("RESULT speculators", json.dumps({"checkpoint": theirs, "train_s": result["speculators_train_s"]}))
+    if args.stage == "train":
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     drafters = {"ours": storage.join(export_dir, "speculators"), "speculators": theirs}
     result["drafters"] = drafters
-    result["rows"] = measure(cfg, verifier_dir, drafters, capture, capture_where)
+    result["rows"], result["predicted_vs_measured"] = measure(
+        cfg, verifier_dir, drafters, capture, capture_where, gen_dir
+    )
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 

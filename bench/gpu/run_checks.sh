@@ -145,9 +145,11 @@ PY
 step_parity() {
     # The recipe run's exported drafter against speculators' own Trainer (its defaults, E3R_PARITY_EPOCHS epochs) on
     # the same captured data and draft vocabulary, both measured by the same vLLM on the recipe's evaluate prompts.
+    # E3R_PARITY_STAGE=train, then =measure: the same in two calls (each under the 10-minute limit).
+    local stage="${E3R_PARITY_STAGE:-all}"
     # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
     "$PY" bench/gpu/parity.py "$recipe" --set run.storage_path="$runs" ${E3R_OVERRIDES:-} \
-        --epochs "${E3R_PARITY_EPOCHS:-3}" --work /tmp/parity --out "$OUT/parity.json"
+        --epochs "${E3R_PARITY_EPOCHS:-3}" --stage "$stage" --work /tmp/parity --out "$OUT/parity_$stage.json"
 }
 
 step_pytest_gpu() {
