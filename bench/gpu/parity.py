@@ -105,7 +105,9 @@ def last_checkpoint(save_path: str) -> str:
     return str(max(epochs_saved, key=lambda p: int(p.name)))
 
 
-def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str, gen_dir: str):
+def measure(
+    cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str, gen_dir: str, vocab_dir: str
+):
     """Plain decoding once, then every drafter at every k and concurrency on the recipe's evaluate prompts, and on
     the run's first `evaluate.contract_prompts` validation prompts (the split training's replay estimate was computed
     on). Returns the rows and, for our drafter, training's prediction next to both measurements."""
@@ -119,6 +121,11 @@ def measure(cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, cap
     ensure_ray(cfg.run)
     base, _ = evaluate.plain_runs(cfg, verifier_dir, prompts, token_prompts)
     rows = [{"drafter": None, **report.baseline_row(c, run)} for c, run in base.items()]
+    in_vocab = np.load(os.path.join(vocab_dir, "t2d.npy"))  # the draft vocabulary both drafters predict over
+    for row, run in zip(rows, base.values(), strict=True):
+        tokens = np.concatenate([np.asarray(o, dtype=np.int64) for o in run["outputs"]])
+        row["outside_draft_vocab"] = float(1.0 - in_vocab[tokens].mean())  # training's val_diag_outside_vocab
+        print("RESULT", json.dumps(row), flush=True)
     predictions = {}
     for name, drafter_dir in drafters.items():
         infos, contract_runs, own_rows = {}, {}, []
@@ -206,7 +213,7 @@ def main() -> None:
     drafters = {"ours": storage.join(export_dir, "speculators"), "speculators": theirs}
     result["drafters"] = drafters
     result["rows"], result["predicted_vs_measured"] = measure(
-        cfg, verifier_dir, drafters, capture, capture_where, gen_dir
+        cfg, verifier_dir, drafters, capture, capture_where, gen_dir, storage.join(train_dir, "vocab")
     )
     Path(args.out).write_text(json.dumps(result, indent=2))
 
