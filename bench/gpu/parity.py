@@ -10,10 +10,11 @@ of our training split (our validation samples stay held out from both drafters):
 seq_len, the first T = len(input_ids) - 1 tokens (those the capture covers), with the run's own draft vocabulary
 (train/<version>/vocab: the same d2t / t2d for both drafters). It then trains speculators' drafter with
 `python3 -m speculators.train` and its own defaults (Muon, lr 1e-3, linear schedule, total_seq_len 8192, ttt 3) for
-`--epochs` epochs, and measures plain decoding, the run's exported drafter and speculators' last checkpoint on the
-recipe's evaluate prompts, at every `evaluate.num_speculative_tokens` and `evaluate.concurrency`, with the evaluate
-stage's engines: speed, acceptance (per MT-Bench category too), and each drafter's acceptance on the run's first
-`evaluate.contract_prompts` validation prompts next to training's replay estimate (`predicted_vs_measured`).
+`--epochs` epochs, and measures plain decoding, the run's exported drafter and speculators' last checkpoint (its config
+written as the export writes ours: `served_copy`) on the recipe's evaluate prompts, at every
+`evaluate.num_speculative_tokens` and `evaluate.concurrency`, with the evaluate stage's engines: speed, acceptance (per
+MT-Bench category too), and each drafter's acceptance on the run's first `evaluate.contract_prompts` validation prompts
+next to training's replay estimate (`predicted_vs_measured`).
 speculators' Trainer needs a GPU; `--theirs DIR` skips its training and measures DIR instead (the CPU rehearsal
 passes the run's own export there). `--stage train` / `--stage measure` split the work over two calls of at most
 10 minutes each.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ from eagle3_ray.core import shards, storage, verifiers  # noqa: E402
 from eagle3_ray.core.config import load_config  # noqa: E402
 from eagle3_ray.evaluate import report  # noqa: E402
 from eagle3_ray.evaluate import stage as evaluate  # noqa: E402
+from eagle3_ray.train import export  # noqa: E402
 
 
 def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str) -> dict:
@@ -95,6 +98,20 @@ def train_speculators(verifier_dir: str, spec_dir: str, aux: list[int], draft_vo
     if code != 0:
         raise RuntimeError(f"speculators.train exited {code}; tail:\n{open(log_path).read()[-3000:]}")
     return last_checkpoint(save_path), time.perf_counter() - t0
+
+
+def served_copy(checkpoint: str, cfg, capture: dict, verifier_dir: str, out: str) -> str:
+    """speculators' checkpoint with its config written as our export writes ours (export.export_config, with the
+    run's `export.vllm_compat_layout`): vLLM 0.24's loader drops the top-level norm_output that speculators' default
+    drafter sets, and the evaluate engines refuse a drafter vLLM would misread."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(checkpoint, out)
+    config = storage.read_json(os.path.join(out, "config.json"))
+    config = export.export_config(
+        config, capture, verifier_dir, config["dtype"], vllm_compat_layout=cfg.export.vllm_compat_layout
+    )
+    Path(out, "config.json").write_text(json.dumps(config, indent=2))
+    return out
 
 
 def last_checkpoint(save_path: str) -> str:
@@ -210,6 +227,7 @@ def main() -> None:
     if args.stage == "train":
         Path(args.out).write_text(json.dumps(result, indent=2))
         return
+    theirs = served_copy(theirs, cfg, capture, verifier_dir, os.path.join(args.work, "speculators_served"))
     drafters = {"ours": storage.join(export_dir, "speculators"), "speculators": theirs}
     result["drafters"] = drafters
     result["rows"], result["predicted_vs_measured"] = measure(
