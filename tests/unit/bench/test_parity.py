@@ -23,7 +23,7 @@ import parity  # noqa: E402
 pytestmark = pytest.mark.unit
 
 
-def test_speculators_dataset_reads_back_every_captured_sample_with_the_runs_vocabulary(
+def test_speculators_dataset_reads_back_every_sample_of_our_training_split_with_the_runs_vocabulary(
     tmp_path, tmp_path_factory, tiny_llama
 ):
     from speculators.train.data import ArrowDataset
