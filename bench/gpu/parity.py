@@ -108,7 +108,11 @@ def served_copy(checkpoint: str, cfg, capture: dict, verifier_dir: str, out: str
     shutil.copytree(checkpoint, out)
     config = storage.read_json(os.path.join(out, "config.json"))
     config = export.export_config(
-        config, capture, verifier_dir, config["dtype"], vllm_compat_layout=cfg.export.vllm_compat_layout
+        config,
+        capture,
+        verifier_dir,
+        config.get("dtype", cfg.export.dtype),
+        vllm_compat_layout=cfg.export.vllm_compat_layout,
     )
     Path(out, "config.json").write_text(json.dumps(config, indent=2))
     return out
