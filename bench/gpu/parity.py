@@ -166,7 +166,7 @@ def measure(
                         "concurrency": c,
                         "tokens_per_s": tokens_per_s,
                         "speedup": tokens_per_s / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c),
-                        **{key: run["spec"][key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+                        **{key: run["spec"][key] for key in report.SPEC_TOTALS},
                         **report.acceptance(run["spec"]),
                         "acceptance_per_position": report.per_position(run["spec"]),
                         "by_category": report.breakdown(run, base[c], "category"),
@@ -174,22 +174,9 @@ def measure(
                 )
                 own_rows.append(rows[-1])
                 print("RESULT", json.dumps(rows[-1]), flush=True)
-            if k in contract_runs:
-                own_len = report.acceptance(contract_runs[k])["mean_acceptance_length"]
-                print(
-                    "RESULT",
-                    json.dumps(
-                        {
-                            "drafter": name,
-                            "k": k,
-                            "validation_prompts": len(own_tokens),
-                            "mean_acceptance_length": own_len,
-                        }
-                    ),
-                    flush=True,
-                )
         metrics = evaluate.training_metrics(drafter_dir) if name == "ours" else {}
         predictions[name] = evaluate.predicted_vs_measured(metrics, own_rows, infos, contract_runs)
+        print("RESULT prediction", name, json.dumps(predictions[name]), flush=True)
     return rows, predictions
 
 
