@@ -74,21 +74,6 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=gpu)
             items[:] = [item for item in items if not item.get_closest_marker("gpu")]
             config._eagle3_gpu_deselected = len(gpu)
-    # The pipeline job's readers run last; the job itself starts with the session's first test
-    # (_pipeline_job_in_background) and runs beside the others.
-    items.sort(key=reads_pipeline_job)
-
-
-def reads_pipeline_job(item) -> bool:
-    return "pipeline_job" in getattr(item, "fixturenames", ())
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _pipeline_job_in_background(request):
-    """Start the session's pipeline job (tests/support/ray_head.py) with the first test, when a selected test reads
-    it."""
-    if any(reads_pipeline_job(item) for item in request.session.items):
-        request.getfixturevalue("pipeline_job_started")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

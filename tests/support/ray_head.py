@@ -7,8 +7,6 @@ Test modules load it with `pytest_plugins = ["helpers_ray_head"]`, so the `ray_h
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import json
 import os
 import secrets
@@ -324,12 +322,14 @@ STOPPABLE = [
 ]
 
 
-def run_pipeline_job(ray_head: RayHead, s3_server) -> FinishedJob:
-    """The whole tiny Kimi pipeline as users run it (the job, metrics, object-store and MLA tests read the same run):
-    its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's filesystems, Ray Train's
-    checkpoints go there too), submitted, stopped through the Jobs REST API (what `ray job stop` calls) the moment
-    generate's first unit commits, then resubmitted under the same run name, which resumes it. Returns the
-    resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test through `s3_env`."""
+@pytest.fixture(scope="session")
+def pipeline_job(ray_head, s3_server) -> FinishedJob:
+    """The whole tiny Kimi pipeline as users run it, once per session (the job, metrics, object-store and MLA tests
+    read the same run): its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's
+    filesystems, Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what
+    `ray job stop` calls) the moment generate's first unit commits, then resubmitted under the same run name, which
+    resumes it. Returns the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test
+    through `s3_env`."""
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full"
     entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
@@ -348,23 +348,3 @@ def run_pipeline_job(ray_head: RayHead, s3_server) -> FinishedJob:
     job = run_job(ray_head, "eagle3-full", entrypoint, run_dir, env_vars=s3_server.env)
     job.stopped_logs = ray_head.logs("eagle3-full-stopped")
     return job
-
-
-@pytest.fixture(scope="session")
-def pipeline_job_started(ray_head, s3_server):
-    """The pipeline job, run in a thread of its own from the session's first test on (tests/conftest.py starts it
-    and runs its readers last): its driver, engines and workers are processes of the Ray head, so it runs beside
-    the rest of the suite instead of adding its four minutes to it."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-job") as pool:
-        future = pool.submit(run_pipeline_job, ray_head, s3_server)
-        yield future
-        if not future.done():  # the session ended before its readers ran (-x, ^C): stop the job, not wait it out
-            for submission_id in ("eagle3-full-stopped", "eagle3-full"):
-                with contextlib.suppress(OSError):
-                    ray_head.post(f"/api/jobs/{submission_id}/stop")
-
-
-@pytest.fixture(scope="session")
-def pipeline_job(pipeline_job_started) -> FinishedJob:
-    """The finished pipeline job (run_pipeline_job); its failure fails each test that reads it."""
-    return pipeline_job_started.result(timeout=1800)
