@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core.config import config_from_dict, load_config  # noqa: E402
+from eagle3_ray.core.config import apply_overrides, config_from_dict, load_config  # noqa: E402
 
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}
@@ -56,32 +56,31 @@ def make_cfg(args, work: str, mode: str, out_len: int):
         d["generate"]["two_pass_overlap"] = overlap or d["generate"]["two_pass_overlap"]
         return config_from_dict(d)
     gpu = not args.tiny
-    return config_from_dict(
-        {
-            "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
-            "verifier": {
-                "path": args.model,
-                "dtype": args.dtype,
-                "max_model_len": args.max_model_len,
-                "aux_layer_ids": args.aux_layer_ids,
-            },
-            "generate": {
-                "mode": mode,
-                "two_pass_overlap": overlap,
-                "max_tokens": out_len,
-                "ignore_eos": True,
-                "temperature": 0.0,
-                "engine_kwargs": args.engine_kwargs,
-                "num_gpus_per_worker": 1.0 if gpu else 0.0,
-                "num_cpus_per_replica": args.num_cpus_per_replica,
-                "units_in_flight": args.units_in_flight,
-                "capture_buffer_bytes": args.capture_buffer_bytes,
-                "writer_threads": args.writer_threads,
-                "max_batch_tokens": args.max_batch_tokens,
-                "shard_max_bytes": args.shard_max_bytes,
-            },
-        }
-    )
+    data = {
+        "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
+        "verifier": {
+            "path": args.model,
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+            "aux_layer_ids": args.aux_layer_ids,
+        },
+        "generate": {
+            "mode": mode,
+            "two_pass_overlap": overlap,
+            "max_tokens": out_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "engine_kwargs": args.engine_kwargs,
+            "num_gpus_per_worker": 1.0 if gpu else 0.0,
+            "num_cpus_per_replica": args.num_cpus_per_replica,
+            "units_in_flight": args.units_in_flight,
+            "capture_buffer_bytes": args.capture_buffer_bytes,
+            "writer_threads": args.writer_threads,
+            "max_batch_tokens": args.max_batch_tokens,
+            "shard_max_bytes": args.shard_max_bytes,
+        },
+    }
+    return config_from_dict(apply_overrides(data, args.set))
 
 
 def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
@@ -451,7 +450,13 @@ def parse_args():
         help="a YAML recipe: every row runs its verifier and generate sections unchanged (the row sets mode and output "
         "length), so the stage rows measure what the recipe gets; the bench's own generate options are then unused",
     )
-    p.add_argument("--set", action="append", default=[], help="section.field=value override of --recipe (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="section.field=value override of --recipe or of the bench's own config (repeatable), "
+        "e.g. generate.capture_draft_slot=false",
+    )
     p.add_argument("--out-lens", default=None, help="comma-separated output lengths (default 256,2048; tiny 32,128)")
     p.add_argument("--num-prompts", type=int, default=None, help="default 200 (tiny: 24)")
     p.add_argument("--modes", default="plain,capture,prefill,stage_generate,stage_two_pass,stage_capture_only")
