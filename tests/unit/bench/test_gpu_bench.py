@@ -139,3 +139,18 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
         child.kill()
         child.wait()
     assert got["spin.py"] > 0.2 and got["total"] >= got["spin.py"]
+
+
+def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, monkeypatch):
+    """`--set` reaches every row's config, with or without `--recipe` (the 8B shape runs without one); the row still
+    sets mode and output length."""
+    from generate_bench import make_cfg, parse_args
+
+    for recipe in ([], ["--recipe", str(REPO / "ray_jobs/configs/smollm2_cpu.yaml")]):
+        argv = ["generate_bench.py", "m", "--tiny", *recipe, "--set", "generate.capture_draft_slot=false"]
+        monkeypatch.setattr(sys, "argv", [*argv, "--set", "generate.writer_threads=3"])
+        cfg = make_cfg(parse_args(), str(tmp_path), "two_pass_overlap", 48)
+        gen = cfg.generate
+        assert (gen.capture_draft_slot, gen.writer_threads) == (False, 3), recipe
+        assert (gen.mode, gen.two_pass_overlap, gen.max_tokens, gen.ignore_eos) == ("two_pass", True, 48, True)
+        assert cfg.verifier.path == "m"
