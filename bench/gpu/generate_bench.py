@@ -45,42 +45,42 @@ CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_nu
 
 
 def make_cfg(args, work: str, mode: str, out_len: int):
+    """A row's config: the recipe's verifier and generate sections as a user runs them (`--recipe`), else the bench's
+    own; `--set` overrides either, and the row then sets its mode and output length."""
     overlap = mode == "two_pass_overlap"
     if overlap:
         mode = "two_pass"
-    if args.recipe:  # the recipe's verifier and generate sections as a user runs them; the row sets mode and length
+    run = {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus}
+    if args.recipe:
         d = load_config(args.recipe, args.set).to_dict()
-        d["run"] = {**d["run"], "storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus}
+        d["run"] = {**d["run"], **run}
         d["verifier"]["path"] = args.model
-        d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
-        d["generate"]["two_pass_overlap"] = overlap or d["generate"]["two_pass_overlap"]
-        return config_from_dict(d)
-    gpu = not args.tiny
-    data = {
-        "run": {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus},
-        "verifier": {
-            "path": args.model,
-            "dtype": args.dtype,
-            "max_model_len": args.max_model_len,
-            "aux_layer_ids": args.aux_layer_ids,
-        },
-        "generate": {
-            "mode": mode,
-            "two_pass_overlap": overlap,
-            "max_tokens": out_len,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "engine_kwargs": args.engine_kwargs,
-            "num_gpus_per_worker": 1.0 if gpu else 0.0,
-            "num_cpus_per_replica": args.num_cpus_per_replica,
-            "units_in_flight": args.units_in_flight,
-            "capture_buffer_bytes": args.capture_buffer_bytes,
-            "writer_threads": args.writer_threads,
-            "max_batch_tokens": args.max_batch_tokens,
-            "shard_max_bytes": args.shard_max_bytes,
-        },
-    }
-    return config_from_dict(apply_overrides(data, args.set))
+    else:
+        d = apply_overrides(
+            {
+                "run": run,
+                "verifier": {
+                    "path": args.model,
+                    "dtype": args.dtype,
+                    "max_model_len": args.max_model_len,
+                    "aux_layer_ids": args.aux_layer_ids,
+                },
+                "generate": {
+                    "engine_kwargs": args.engine_kwargs,
+                    "num_gpus_per_worker": 0.0 if args.tiny else 1.0,
+                    "num_cpus_per_replica": args.num_cpus_per_replica,
+                    "units_in_flight": args.units_in_flight,
+                    "capture_buffer_bytes": args.capture_buffer_bytes,
+                    "writer_threads": args.writer_threads,
+                    "max_batch_tokens": args.max_batch_tokens,
+                    "shard_max_bytes": args.shard_max_bytes,
+                },
+            },
+            args.set,
+        )
+    d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
+    d["generate"]["two_pass_overlap"] = overlap or d["generate"].get("two_pass_overlap", False)
+    return config_from_dict(d)
 
 
 def prompt_ids(args) -> tuple[list[list[dict]], list[list[int]]]:
