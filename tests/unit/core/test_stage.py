@@ -69,3 +69,21 @@ def test_reading_an_upstream_that_this_config_never_ran_names_the_version_and_la
         rf"{stage.version(b, 'generate')}",
     ):
         stage.input_dir(a, "generate")
+
+
+def test_the_train_and_evaluate_stages_import_without_ray_or_vllm():
+    """train/stage.py and evaluate/stage.py import Ray, and the modules that import it (core/raycluster.py,
+    train/online.py, train/worker.py), inside the functions that start training or engines: a caller that only
+    checks data or prompts must not import Ray, which fixes its auth settings from the environment when first
+    imported. Moving one of those imports to the top of its module fails here."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO
+
+    code = (
+        "import sys, eagle3_ray.train.stage, eagle3_ray.evaluate.stage, eagle3_ray.train.export; "
+        "print(sorted(m for m in ('ray', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stdout

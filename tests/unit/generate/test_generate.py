@@ -59,8 +59,7 @@ def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_d
     assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["scheduler_cls"] == engine.NO_DRAFT_SCHEDULER
     assert "scheduler_cls" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
     assert "scheduler_cls" not in engine.engine_kwargs(generate_cfg(tmp_path, "unused"), "m", [1, 3, 4, 6], "/s")
-    module, name = engine.NO_DRAFT_SCHEDULER.rsplit(".", 1)
-    assert f"{NoDraftScheduler.__module__}.{NoDraftScheduler.__name__}" == f"{module}.{name}"
+    assert engine.NO_DRAFT_SCHEDULER == f"{NoDraftScheduler.__module__}.{NoDraftScheduler.__qualname__}"
     assert issubclass(NoDraftScheduler, Scheduler) and "update_draft_token_ids" in vars(NoDraftScheduler)
     assert "self.scheduler.update_draft_token_ids(" in inspect.getsource(EngineCore)
 
