@@ -9,5 +9,5 @@ contract).
 Where vLLM enters: `connector.py` is never imported by this package. vLLM's workers load it by name
 (`kv_connector_module_path="eagle3_ray.generate.connector"`, set in `engine.engine_kwargs`), and it writes each
 request's captured hidden states where the request's `kv_transfer_params` say. `scheduler.py` enters the same way
-(`scheduler_cls`, with `generate.capture_draft_slot=false`).
+(`scheduler_cls`, unless `generate.capture_draft_slot=true`).
 """

@@ -47,7 +47,7 @@ START_ERROR = "generate: the vLLM engine failed to start"
 # does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
 CONNECTOR_NAME = "CaptureConnector"
 CONNECTOR_MODULE = "eagle3_ray.generate.connector"
-# vLLM imports it by name in the engine core (generate.capture_draft_slot=false)
+# vLLM imports it by name in the engine core (unless generate.capture_draft_slot=true)
 NO_DRAFT_SCHEDULER = "eagle3_ray.generate.scheduler.NoDraftScheduler"
 # The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
 # short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and

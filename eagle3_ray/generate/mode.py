@@ -54,7 +54,7 @@ def platform(cfg: Config) -> str:
 
 
 def estimate_s(
-    costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool, draft_slot: bool = False
+    costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool, draft_slot: bool
 ) -> dict[str, float]:
     """Seconds per replica of one pass and of two passes over these tokens (module docstring)."""
     d, c = costs.decode_tokens_per_s, costs.capture_prefill_tokens_per_s

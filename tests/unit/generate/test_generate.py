@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 
 from eagle3_ray.core import shards
+from eagle3_ray.core.config import load_config
+from tests.support import REPO
 from tests.support.configs import generate_cfg
 
 pytestmark = pytest.mark.unit
@@ -295,9 +297,6 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs
     assert "draft_slot=True" in line
     # the SmolLM2 H200 recipe (overlap, no draft slot) on its 9,460 ShareGPT openers x 512 tokens: two passes, the
     # path measured at 0.98x plain vLLM on that model
-    from eagle3_ray.core.config import load_config
-    from tests.support import REPO
-
     recipe = load_config(REPO / "ray_jobs/configs/smollm2_h200.yaml")
     assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))]) == "two_pass"
     # an auto run that left first-pass records goes on as two_pass, even where a fresh run would take one pass
