@@ -156,6 +156,11 @@ class GenerateConfig:
     sample is written. A sample that finds it lent out gets fresh pinned memory, whose cudaHostAlloc holds up the
     engine's next step (1.9 s for the 1.8 GB of captures one decode step finished, 183 requests of 300 tokens of an
     8B model). 0: always fresh."""
+    capture_gather_bytes: int = field(default=256 << 20, metadata=NOT_IN_VERSION)
+    """Most bytes of token rows the connector gathers from the hidden-state cache at once: the samples an engine step
+    finishes are gathered, encoded and their norms taken in groups of about this size (a larger sample alone). That
+    work takes device memory outside vLLM's gpu_memory_utilization, about three times the bytes gathered: gathering
+    every sample one 8B-shaped step finished at once (15 GB) ran an H100 out of memory."""
     writer_threads: int = field(default=4, metadata=NOT_IN_VERSION)
     """Writer threads per replica: they read, check and encode each finished conversation's capture while the engine
     decodes the others, and commit units side by side (shard writes, part files). Their torch work and file writes
@@ -235,6 +240,7 @@ class GenerateConfig:
         )
         _check(self.writer_threads >= 1, "generate.writer_threads", "must be >= 1")
         _check(self.pinned_buffer_bytes >= 0, "generate.pinned_buffer_bytes", "must be >= 0")
+        _check(self.capture_gather_bytes > 0, "generate.capture_gather_bytes", "must be > 0")
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
         _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
         _check(

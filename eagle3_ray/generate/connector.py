@@ -43,6 +43,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from eagle3_ray.core import shards
+from eagle3_ray.core.config import GenerateConfig
+
+
+def gather_groups(num_rows: list[int], max_rows: int) -> list[range]:
+    """Consecutive groups of samples (indices into `num_rows`, each sample's token rows) of at most `max_rows` rows
+    together, in order; a sample of more rows than that is a group of its own."""
+    groups, start, rows = [], 0, 0
+    for i, n in enumerate(num_rows):
+        if i > start and rows + n > max_rows:
+            groups.append(range(start, i))
+            start, rows = i, 0
+        rows += n
+    if num_rows:
+        groups.append(range(start, len(num_rows)))
+    return groups
 
 
 class _DoneEvent:
@@ -77,6 +92,9 @@ class CaptureConnector(ExampleHiddenStatesConnector):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
         num_bytes = int(self._kv_transfer_config.get_from_extra_config("pinned_buffer_bytes", 0))
+        # generate.capture_gather_bytes (engine.engine_kwargs): bytes of rows gathered from the cache at once
+        default = GenerateConfig().capture_gather_bytes
+        self._gather_bytes = int(self._kv_transfer_config.get_from_extra_config("gather_bytes", default))
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             if num_bytes:
                 self._arena = shards.HostArena(num_bytes, pin_memory=True)
@@ -124,15 +142,24 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         return super().get_finished(finished_req_ids)
 
     def _save_planned(self, saves: list[ShardSave], dtype: str) -> None:
-        """One gather from the hidden-state cache for all of a step's planned saves (their token rows one after the
-        other). On a GPU the encoding, row norms and non-finite counts run once for all of them too, on the copy
+        """A step's planned saves, gathered from the hidden-state cache in consecutive groups of at most
+        `gather_bytes` of token rows (gather_groups): the gather and its encoding and norms take device memory
+        outside vLLM's gpu_memory_utilization, in proportion to the rows gathered at once."""
+        assert self._kv_cache is not None
+        step_at = time.time()  # with the time this thread leaves, the note's stamps (shards.write_planned_capture)
+        row_bytes = self._kv_cache[0, 0].numel() * self._kv_cache.element_size()
+        max_rows = max(1, self._gather_bytes // row_bytes)
+        for group in gather_groups([p.token_ids.shape[0] for p in saves], max_rows):
+            self._save_group([saves[i] for i in group], dtype, step_at)
+
+    def _save_group(self, saves: list[ShardSave], dtype: str, step_at: float) -> None:
+        """One gather from the hidden-state cache for a group of a step's planned saves (their token rows one after
+        the other). On a GPU the encoding, row norms and non-finite counts run once for all of them too, on the copy
         stream, which waits for the step's forward pass on the device, not on the host: the slot mapping goes up
         from pinned memory, so nothing here waits for the GPU and the engine's thread goes on at once (a pageable
         upload would wait for the copy stream to drain). Each sample's stored rows come down into a piece of the
         pinned arena (given back when its write is done; fresh pinned memory when the arena is lent out), the
-        step's norms into one pinned tensor."""
-        assert self._kv_cache is not None
-        step_at = time.time()  # with the time this thread leaves, the note's stamps (shards.write_planned_capture)
+        group's norms into one pinned tensor."""
         spans, start = [], 0
         for p in saves:
             spans.append((start, start + p.token_ids.shape[0]))

@@ -97,6 +97,7 @@ def engine_kwargs(
                 "shared_storage_path": scratch_dir,
                 "allow_custom_save_path": True,
                 "pinned_buffer_bytes": gen.pinned_buffer_bytes,
+                "gather_bytes": gen.capture_gather_bytes,
             },
         }
     if gen.tensor_parallel_size > 1:

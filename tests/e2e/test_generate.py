@@ -92,9 +92,17 @@ def test_with_and_without_the_draft_slot_the_capture_equals_transformers_and_the
 ):
     """generate.capture_draft_slot=true (vLLM's extract_hidden_states as it runs, a dummy draft verified at every
     decode step) against the default run without it (one token per request per step): the same greedy answers, and
-    every captured row, prompt and generated tokens alike, a transformers forward pass in both."""
+    every captured row, prompt and generated tokens alike, a transformers forward pass in both. This run also
+    gathers at most 3 token rows from the cache at once (capture_gather_bytes: 3 rows of 4 layers x 256 fp32), so
+    the samples a step finishes are saved group by group, each larger than the bound alone."""
     cfg = generate_cfg(
-        tmp_path, tiny_llama_fp32, "float32", hidden_states_dtype="float32", oversize="reject", capture_draft_slot=True
+        tmp_path,
+        tiny_llama_fp32,
+        "float32",
+        hidden_states_dtype="float32",
+        oversize="reject",
+        capture_draft_slot=True,
+        capture_gather_bytes=3 * 4 * 256 * 4,
     )
     ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
     summary = run(cfg)

@@ -67,6 +67,22 @@ def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_d
     assert "self.scheduler.update_draft_token_ids(" in inspect.getsource(EngineCore)
 
 
+def test_a_steps_finished_samples_are_gathered_in_groups_of_bounded_rows(tmp_path):
+    """The connector gathers a step's finished samples from the hidden-state cache in consecutive groups of at most
+    generate.capture_gather_bytes of rows (one gather of every sample an 8B-shaped step finished ran an H100 out of
+    memory); a sample larger than the bound is a group of its own; every sample once, in order."""
+    from eagle3_ray.generate import engine
+    from eagle3_ray.generate.connector import gather_groups
+
+    groups = gather_groups([3, 4, 2, 10, 1, 1, 5], max_rows=7)
+    assert [list(g) for g in groups] == [[0, 1], [2], [3], [4, 5, 6]]
+    assert [list(g) for g in gather_groups([2, 2, 2], max_rows=100)] == [[0, 1, 2]]
+    assert gather_groups([], max_rows=7) == []
+    cfg = generate_cfg(tmp_path, "unused", capture_gather_bytes=1 << 20)
+    extra = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["gather_bytes"] == 1 << 20
+
+
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
     from eagle3_ray.generate import engine
 
