@@ -156,6 +156,11 @@ class GenerateConfig:
     sample is written. A sample that finds it lent out gets fresh pinned memory, whose cudaHostAlloc holds up the
     engine's next step (1.9 s for the 1.8 GB of captures one decode step finished, 183 requests of 300 tokens of an
     8B model). 0: always fresh."""
+    max_unit_attempts: int = field(default=3, metadata=NOT_IN_VERSION)
+    """A unit that was in flight in this many engines that died fails the stage, naming the unit and the engine's
+    error (attempts/ in the output holds the count per unit). Ray restarts a dead engine actor and retries its units
+    without end: a failure that repeats on the same work (out of memory) would otherwise restart the engine forever.
+    Every unit in flight counts a death, so one engine death costs each of them an attempt."""
     capture_gather_bytes: int = field(default=256 << 20, metadata=NOT_IN_VERSION)
     """Most bytes of token rows the connector gathers from the hidden-state cache at once: the samples an engine step
     finishes are gathered, encoded and their norms taken in groups of about this size (a larger sample alone). That
@@ -241,6 +246,7 @@ class GenerateConfig:
         _check(self.writer_threads >= 1, "generate.writer_threads", "must be >= 1")
         _check(self.pinned_buffer_bytes >= 0, "generate.pinned_buffer_bytes", "must be >= 0")
         _check(self.capture_gather_bytes > 0, "generate.capture_gather_bytes", "must be > 0")
+        _check(self.max_unit_attempts >= 1, "generate.max_unit_attempts", "must be >= 1")
         _check(0 <= self.max_zero_row_share <= 1, "generate.max_zero_row_share", "must be in [0, 1]")
         _check(self.max_nonfinite_values >= 0, "generate.max_nonfinite_values", "must be >= 0")
         _check(

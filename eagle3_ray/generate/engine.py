@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from eagle3_ray.core import storage, telemetry
@@ -286,9 +287,22 @@ class EngineActor:
         telemetry.log("generate", "capture_budget", bytes=budget_bytes, **chosen)
         self.budget = ByteBudget(budget_bytes)
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
-        self.requests = RequestLoop(self.engine)
+        self.in_flight: set[str] = set()  # units with requests in the engine
+        self._death_recorded = threading.Lock()
+        self.requests = RequestLoop(self.engine, self.record_death)
         engine_procs = self._record_pids()
-        threading.Thread(target=_exit_when_engine_dies, args=(engine_procs,), daemon=True).start()
+        threading.Thread(target=_exit_when_engine_dies, args=(engine_procs, self.record_death), daemon=True).start()
+
+    def record_death(self, error: str) -> None:
+        """The engine died: count a failed attempt for each unit in flight (commit.check_attempts refuses a unit
+        after generate.max_unit_attempts), once, whichever of the request loop and the process watch sees it first."""
+        if not self._death_recorded.acquire(blocking=False):
+            return
+        for unit_id in list(self.in_flight):
+            try:
+                commit.record_failed_attempt(self.out_dir, self.kind, unit_id, error)
+            except Exception as e:  # the actor exits next whatever happens; Ray then retries the unit
+                telemetry.log("generate", "attempt_not_recorded", unit=unit_id, error=f"{type(e).__name__}: {e}")
 
     def make_sink(self):
         if self.kind == "plain":
@@ -352,15 +366,18 @@ class EngineActor:
         done = self.sink.committed(unit_id)
         if done is not None:  # a retry of a unit that committed before its actor died
             return done
+        commit.check_attempts(self.out_dir, self.kind, unit_id, samples, self.cfg.generate.max_unit_attempts)
         arrived = time.time()
         num_bytes = num_tokens * self.bytes_per_token
         await self.budget.acquire(num_bytes, unit_id)
+        self.in_flight.add(unit_id)
         try:
             start, sent = time.time(), {}
             convs = await self._run_conversations(unit_id, samples, sent, num_tokens)
             engine_done = time.time()
             rows = await self.writer.commit(unit_id, convs, self.sink)
         finally:
+            self.in_flight.discard(unit_id)
             await self.budget.release(num_bytes)
         shutil.rmtree(os.path.join(self.scratch, unit_id), ignore_errors=True)
         # seconds since this engine was ready: when the unit arrived, got its bytes, sent its requests, finished them,
@@ -487,9 +504,9 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error) if error else future.set_result(result)
 
 
-def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
+def _exit_when_engine_dies(procs: list, on_death: Callable[[str], None], poll_s: float = 1.0) -> None:
     """An EngineCore (or worker) process that was killed while the actor had no request in it raises nothing in
-    the actor, so the actor watches the processes itself and exits:
+    the actor, so the actor watches the processes itself, tells `on_death` and exits:
     Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1)."""
     import psutil
 
@@ -501,5 +518,6 @@ def _exit_when_engine_dies(procs: list, poll_s: float = 1.0) -> None:
                 alive = False
             if not alive:
                 telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
+                on_death(f"engine process {p.pid} ended")
                 os._exit(1)
         time.sleep(poll_s)

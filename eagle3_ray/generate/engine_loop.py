@@ -61,8 +61,9 @@ def start_async_engine(kwargs: dict[str, Any]):
 class RequestLoop:
     """Owns an `AsyncLLM`: only this thread's event loop calls into it. `submit` is safe from any thread."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, on_death: Callable[[str], None]):
         self.engine = engine
+        self.on_death = on_death  # told the error before the actor exits
         self.loop = asyncio.new_event_loop()
         self.tasks: set[asyncio.Task] = set()  # the event loop keeps only weak references to its tasks
         self.num_finished = 0
@@ -95,7 +96,9 @@ class RequestLoop:
         """An engine that failed (or refused a request) cannot be trusted with the requests it holds. Exiting the
         actor process makes Ray restart it (Ray Data actors: max_restarts=-1, max_task_retries=-1) and retry its
         units, which have not committed (a unit commits only after all its requests finished)."""
-        telemetry.log("generate", "engine_dead", pid=os.getpid(), error=f"{type(e).__name__}: {e}")
+        error = f"{type(e).__name__}: {e}"
+        telemetry.log("generate", "engine_dead", pid=os.getpid(), error=error)
+        self.on_death(error)
         os._exit(1)
 
 

@@ -286,6 +286,9 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
     summary = storage.read_json(str(Path(out, "summary.json")))
     assert summary["rows_ok"] == table.num_rows  # the over-long sample ran alone
     assert len(list(Path(out, "engines").glob("*.json"))) >= 2, "the engine actor was not restarted"
+    # the units in flight at the kill count one failed attempt each (generate.max_unit_attempts allows 3)
+    attempts = [storage.read_json(str(f)) for f in Path(out, "attempts").glob("generate-*.json")]
+    assert attempts and all(a["attempts"] == 1 and len(a["errors"]) == 1 for a in attempts), attempts
     assert_every_sample_exactly_once(out, table)
     # fp8 e4m3 keeps 3 mantissa bits: about 2-3% relative error per tensor against the bf16 verifier's states
     assert max_relative_error(out, tiny_llama, torch.float32) < 0.05

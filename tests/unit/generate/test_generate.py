@@ -83,6 +83,26 @@ def test_a_steps_finished_samples_are_gathered_in_groups_of_bounded_rows(tmp_pat
     assert extra["gather_bytes"] == 1 << 20
 
 
+def test_a_unit_in_flight_in_as_many_dead_engines_as_allowed_fails_naming_it_and_the_error(tmp_path):
+    """Ray retries a dead engine actor's units without end; a failure that repeats on the same work (an engine out of
+    memory) must end the stage: each death counts an attempt for the units in flight, per pass (kind), and the
+    unit's next try after generate.max_unit_attempts of them raises with the unit, its first sample and the error."""
+    from eagle3_ray.generate import commit
+
+    out, samples = str(tmp_path), [{"id": "sharegpt-17"}, {"id": "sharegpt-18"}]
+    commit.check_attempts(out, "generate", "u1", samples, max_attempts=2)  # never failed
+    commit.record_failed_attempt(out, "generate", "u1", "EngineDeadError: first")
+    commit.record_failed_attempt(out, "plain", "u1", "engine process 12 ended")  # the other pass's count
+    commit.check_attempts(out, "generate", "u1", samples, max_attempts=2)
+    commit.record_failed_attempt(out, "generate", "u1", "EngineDeadError: CUDA out of memory")
+    with pytest.raises(RuntimeError, match=r"unit u1 \(2 samples, the first 'sharegpt-17'\) was in flight in 2 gen"):
+        commit.check_attempts(out, "generate", "u1", samples, max_attempts=2)
+    with pytest.raises(RuntimeError, match="max_unit_attempts=2\\); the last: EngineDeadError: CUDA out of memory"):
+        commit.check_attempts(out, "generate", "u1", samples, max_attempts=2)
+    commit.check_attempts(out, "plain", "u1", samples, max_attempts=2)
+    commit.check_attempts(out, "generate", "u1", samples, max_attempts=3)
+
+
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
     from eagle3_ray.generate import engine
 
