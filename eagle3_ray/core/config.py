@@ -160,7 +160,8 @@ class GenerateConfig:
     """A unit that was in flight in this many engines that died fails the stage, naming the unit and the engine's
     error (attempts/ in the output holds the count per unit). Ray restarts a dead engine actor and retries its units
     without end: a failure that repeats on the same work (out of memory) would otherwise restart the engine forever.
-    Every unit in flight counts a death, so one engine death costs each of them an attempt."""
+    Every unit in flight counts a death, so one engine death costs each of them an attempt. The counts hold within
+    one run of the stage: a resubmitted job starts afresh."""
     capture_gather_bytes: int = field(default=256 << 20, metadata=NOT_IN_VERSION)
     """Most bytes of token rows the connector gathers from the hidden-state cache at once: the samples an engine step
     finishes are gathered, encoded and their norms taken in groups of about this size (a larger sample alone). That

@@ -551,6 +551,11 @@ def _attempts_uri(out_dir: str, kind: str, unit_id: str) -> str:
     return storage.join(out_dir, "attempts", f"{kind}-{unit_id}.json")
 
 
+def clear_attempts(out_dir: str) -> None:
+    """Failed attempts count within one run of a stage: a resubmitted job (after a fix) starts afresh."""
+    storage.delete(storage.join(out_dir, "attempts"))
+
+
 def record_failed_attempt(out_dir: str, kind: str, unit_id: str, error: str) -> None:
     """A unit was in flight in a `kind` engine that died: count it, with the error (attempts/<kind>-<unit>.json)."""
     uri = _attempts_uri(out_dir, kind, unit_id)

@@ -23,6 +23,7 @@ from eagle3_ray.core import shards, stage, storage, telemetry
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.raycluster import ensure_ray
 from eagle3_ray.core.verifiers import verifier_dir
+from eagle3_ray.generate import commit
 from eagle3_ray.generate.chat import ChatEncoder
 from eagle3_ray.generate.engine import EngineActor, RegenerateActor
 from eagle3_ray.generate.mode import resolve_mode
@@ -139,6 +140,7 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
 
     table = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet"))
     clean_orphans(out)
+    commit.clear_attempts(out)
     done = committed_ids(out)
     pending = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(done), pa.string())))).to_pylist()
     encoder = chat_encoder(verifier_path, cfg)

@@ -34,7 +34,7 @@ from eagle3_ray.core import stage, storage
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.verifiers import verifier_dir
-from eagle3_ray.generate import chat
+from eagle3_ray.generate import chat, commit
 from eagle3_ray.generate.output import capture_contract
 from eagle3_ray.generate.stage import chat_encoder, plan_units, replica_options, sample_cost, with_prefill_ids
 from eagle3_ray.train import data, vocab
@@ -63,6 +63,7 @@ def start_engines(
     placement group, collected in `created_pgs`). Ray restarts a dead one and resends its calls."""
     import ray
 
+    commit.clear_attempts(cache_dir or out_dir)
     cls = ray.remote(StreamEngine)
     return [
         cls.options(max_restarts=-1, max_task_retries=-1, **replica_options(cfg, created_pgs)).remote(

@@ -86,7 +86,8 @@ def test_a_steps_finished_samples_are_gathered_in_groups_of_bounded_rows(tmp_pat
 def test_a_unit_in_flight_in_as_many_dead_engines_as_allowed_fails_naming_it_and_the_error(tmp_path):
     """Ray retries a dead engine actor's units without end; a failure that repeats on the same work (an engine out of
     memory) must end the stage: each death counts an attempt for the units in flight, per pass (kind), and the
-    unit's next try after generate.max_unit_attempts of them raises with the unit, its first sample and the error."""
+    unit's next try after generate.max_unit_attempts of them raises with the unit, its first sample and the error;
+    the counts hold within one run of the stage."""
     from eagle3_ray.generate import commit
 
     out, samples = str(tmp_path), [{"id": "sharegpt-17"}, {"id": "sharegpt-18"}]
@@ -101,6 +102,8 @@ def test_a_unit_in_flight_in_as_many_dead_engines_as_allowed_fails_naming_it_and
         commit.check_attempts(out, "generate", "u1", samples, max_attempts=2)
     commit.check_attempts(out, "plain", "u1", samples, max_attempts=2)
     commit.check_attempts(out, "generate", "u1", samples, max_attempts=3)
+    commit.clear_attempts(out)  # what a new run of the stage does first: a resubmitted job starts afresh
+    commit.check_attempts(out, "generate", "u1", samples, max_attempts=1)
 
 
 def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch):
