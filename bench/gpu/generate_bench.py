@@ -79,6 +79,9 @@ def make_cfg(args, work: str, mode: str, out_len: int):
             args.set,
         )
     d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
+    # A row whose engine died measures nothing: it fails at the first death (the row records the error and the bench
+    # goes on to the next) instead of Ray restarting the engine and retrying its units.
+    d["generate"]["max_unit_attempts"] = 1
     d["generate"]["two_pass_overlap"] = overlap or d["generate"].get("two_pass_overlap", False)
     return config_from_dict(d)
 

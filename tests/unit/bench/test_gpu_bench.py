@@ -143,7 +143,7 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
 
 def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, monkeypatch):
     """`--set` reaches every row's config, with or without `--recipe` (the 8B shape runs without one); the row still
-    sets mode and output length."""
+    sets mode and output length, and fails at its engine's first death."""
     from generate_bench import make_cfg, parse_args
 
     for recipe in ([], ["--recipe", str(REPO / "ray_jobs/configs/smollm2_cpu.yaml")]):
@@ -153,4 +153,5 @@ def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, mon
         gen = cfg.generate
         assert (gen.capture_draft_slot, gen.writer_threads) == (True, 3), recipe
         assert (gen.mode, gen.two_pass_overlap, gen.max_tokens, gen.ignore_eos) == ("two_pass", True, 48, True)
+        assert gen.max_unit_attempts == 1  # a row fails at its engine's first death, the bench goes on
         assert cfg.verifier.path == "m"
