@@ -547,8 +547,10 @@ class GeneratedSink:
         return summaries(records, {})
 
 
-def _attempts_uri(out_dir: str, kind: str, unit_id: str) -> str:
-    return storage.join(out_dir, "attempts", f"{kind}-{unit_id}.json")
+def _attempts(out_dir: str, kind: str, unit_id: str) -> tuple[str, dict[str, Any]]:
+    """attempts/<kind>-<unit>.json and what it holds (no attempts when it is absent)."""
+    uri = storage.join(out_dir, "attempts", f"{kind}-{unit_id}.json")
+    return uri, storage.read_json(uri) if storage.exists(uri) else {"attempts": 0, "errors": []}
 
 
 def clear_attempts(out_dir: str) -> None:
@@ -558,8 +560,7 @@ def clear_attempts(out_dir: str) -> None:
 
 def record_failed_attempt(out_dir: str, kind: str, unit_id: str, error: str) -> None:
     """A unit was in flight in a `kind` engine that died: count it, with the error (attempts/<kind>-<unit>.json)."""
-    uri = _attempts_uri(out_dir, kind, unit_id)
-    before = storage.read_json(uri) if storage.exists(uri) else {"attempts": 0, "errors": []}
+    uri, before = _attempts(out_dir, kind, unit_id)
     storage.write_json_atomic(uri, {"attempts": before["attempts"] + 1, "errors": [*before["errors"][-4:], error]})
 
 
@@ -567,9 +568,8 @@ def check_attempts(out_dir: str, kind: str, unit_id: str, samples: list[dict[str
     """Refuse a unit that was in flight in `max_attempts` engines that died (generate.max_unit_attempts): Ray restarts
     a dead engine actor and retries its units without end, so a failure that repeats (the engine running out of
     memory on the same work) would otherwise restart the engine forever."""
-    uri = _attempts_uri(out_dir, kind, unit_id)
-    failed = storage.read_json(uri) if storage.exists(uri) else None
-    if failed is not None and failed["attempts"] >= max_attempts:
+    uri, failed = _attempts(out_dir, kind, unit_id)
+    if failed["attempts"] >= max_attempts:
         raise RuntimeError(
             f"generate: unit {unit_id} ({len(samples)} samples, the first {samples[0]['id']!r}) was in flight in "
             f"{failed['attempts']} {kind} engines that died (generate.max_unit_attempts={max_attempts}); the last: "
