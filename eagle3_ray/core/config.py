@@ -175,6 +175,15 @@ class GenerateConfig:
     """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
     planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
+    capture_method: Literal["extract_hidden_states", "forward"] = field(
+        default="extract_hidden_states", metadata=NOT_IN_VERSION
+    )
+    """How a capture engine gets the captured layers' rows into its hidden-state cache. `extract_hidden_states`:
+    vLLM's speculative method of that name (synchronous scheduling, piecewise CUDA graphs; see capture_draft_slot).
+    `forward`: a plain vLLM engine whose verifier model writes them itself in its forward pass
+    (eagle3_ray/generate/capture_model.py): vLLM's defaults, async scheduling and full CUDA graphs included. Needs the
+    project installed as a package (its vLLM plugin) and a verifier whose vLLM model serves EAGLE-3. The captures are
+    the same (checked against transformers)."""
     capture_draft_slot: bool = field(default=False, metadata=NOT_IN_VERSION)
     """`true`: one-pass capture through vLLM's `extract_hidden_states` as vLLM runs it, each decode step also
     verifying a one-token dummy draft (two tokens per request and the rejection sampler). The default `false` gives

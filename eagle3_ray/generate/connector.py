@@ -27,11 +27,13 @@ Loaded by vLLM's worker processes through
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -85,8 +87,13 @@ class CaptureConnector(ExampleHiddenStatesConnector):
     _saved_by_step: frozenset[str] = frozenset()  # req ids of this step's planned saves (get_finished)
     _arena: shards.HostArena | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any):
+        # generate.capture_method=forward: no extract_hidden_states method, the verifier's forward pass writes the
+        # rows (generate/capture_model.py). vLLM's connector asserts the method and reads its layer ids only to count
+        # them (num_hidden_states), so it is given a copy of the config that names them there, and keeps the real one.
+        forward = vllm_config.speculative_config is None
+        super().__init__(_with_capture_layers(vllm_config) if forward else vllm_config, *args, **kwargs)
+        self._vllm_config = vllm_config
         self._stream_used: dict[str, int] = {}  # scheduler side: payload bytes given out per open shard file
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -284,6 +291,23 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
+
+
+def _with_capture_layers(vllm_config: Any) -> Any:
+    """A shallow copy of `vllm_config` whose speculative config names the captured layers as extract_hidden_states'
+    does (`draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`)."""
+    from eagle3_ray.generate.capture_model import CAPTURE_LAYERS_KEY
+
+    layer_ids = getattr(vllm_config.model_config.hf_config, CAPTURE_LAYERS_KEY, None)
+    if not layer_ids:
+        raise ValueError(
+            "CaptureConnector needs vLLM's extract_hidden_states method or the capture model "
+            "(generate.capture_method=forward, hf_overrides.{CAPTURE_LAYERS_KEY})"
+        )
+    draft = SimpleNamespace(hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=list(layer_ids)))
+    shim = copy.copy(vllm_config)
+    object.__setattr__(shim, "speculative_config", SimpleNamespace(draft_model_config=draft))
+    return shim
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from typing import Any
 
 from eagle3_ray.core import storage, telemetry
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.core.layers import text_config
 from eagle3_ray.core.verifiers import verifier_dir_on_this_node
-from eagle3_ray.generate import chat, commit
+from eagle3_ray.generate import capture_model, chat, commit
 from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, start_async_engine
 
 START_ERROR = "generate: the vLLM engine failed to start"
@@ -73,7 +74,9 @@ def engine_kwargs(
         seed=cfg.run.seed,
         tensor_parallel_size=gen.tensor_parallel_size,
     )
-    if capture:
+    if capture and gen.capture_method == "forward":
+        kwargs["hf_overrides"] = capture_model_overrides(verifier_path, cfg.verifier.trust_remote_code, layer_ids)
+    elif capture:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -90,6 +93,7 @@ def engine_kwargs(
         kwargs["async_scheduling"] = False
         if not gen.capture_draft_slot:
             kwargs["scheduler_cls"] = NO_DRAFT_SCHEDULER
+    if capture:
         kwargs["kv_transfer_config"] = {
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -106,8 +110,35 @@ def engine_kwargs(
         # CPU build refuses the Ray executor ("current platform cpu does not support ray"): its TP workers are
         # processes of the engine actor, which still holds the replica's placement group.
         kwargs["distributed_executor_backend"] = "mp" if _cpu_platform() else "ray"
-    kwargs.update(gen.engine_kwargs)
+    user = dict(gen.engine_kwargs)
+    if "hf_overrides" in kwargs and isinstance(user.get("hf_overrides"), dict):
+        user["hf_overrides"] = {**user["hf_overrides"], **kwargs["hf_overrides"]}
+    kwargs.update(user)
     return with_cpu_rotary_fix(kwargs, verifier_path, cfg.verifier.trust_remote_code)
+
+
+def capture_model_overrides(verifier_path: str, trust_remote_code: bool, layer_ids: list[int]) -> dict[str, Any]:
+    """`hf_overrides` that make vLLM load the verifier as its capture model (generate/capture_model.py): the
+    `Eagle3RayCapture_` subclass of each of its architectures, and the captured layer ids. The classes are registered
+    by the project's vLLM plugin, so the project must be installed as a package (not only on PYTHONPATH)."""
+    from transformers import AutoConfig
+
+    if not entry_points(group="vllm.general_plugins", name=capture_model.PLUGIN):
+        raise ValueError(
+            "generate.capture_method=forward: the vLLM plugin entry point "
+            f"'vllm.general_plugins: {capture_model.PLUGIN}' is not installed; install the project as a package "
+            "(pip install -e .), or set generate.capture_method=extract_hidden_states"
+        )
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and capture_model.PLUGIN not in plugins.split(","):
+        raise ValueError(f"generate.capture_method=forward: VLLM_PLUGINS={plugins!r} leaves out {capture_model.PLUGIN}")
+    archs = AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust_remote_code).architectures or []
+    if not archs:
+        raise ValueError(f"generate.capture_method=forward: no architectures in the config at {verifier_path}")
+    return {
+        "architectures": [capture_model.capture_architecture(a) for a in archs],
+        capture_model.CAPTURE_LAYERS_KEY: list(layer_ids),
+    }
 
 
 def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote_code: bool) -> dict[str, Any]:

@@ -108,11 +108,30 @@ def test_with_and_without_the_draft_slot_the_capture_equals_transformers_and_the
     summary = run(cfg)
     assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["captured_tokens"] == fp32_run[2]["captured_tokens"]
     assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
-
-    def answers(c):
-        return {r["id"]: r["input_ids"] for r in pq.read_table(f"{out_dir(c)}/conversations.parquet").to_pylist()}
-
     assert answers(cfg) == answers(fp32_run[0])
+
+
+def test_the_forward_capture_method_equals_transformers_and_gives_the_same_answers(fp32_run, tiny_llama_fp32, tmp_path):
+    """generate.capture_method=forward: a plain vLLM engine (no speculative method) whose verifier model writes the
+    captured rows in its own forward pass (generate/capture_model.py, loaded through the project's vLLM plugin):
+    every row a transformers forward pass, the same greedy answers and counts as the extract_hidden_states run."""
+    cfg = generate_cfg(
+        tmp_path,
+        tiny_llama_fp32,
+        "float32",
+        hidden_states_dtype="float32",
+        oversize="reject",
+        capture_method="forward",
+    )
+    ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
+    summary = run(cfg)
+    assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["captured_tokens"] == fp32_run[2]["captured_tokens"]
+    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
+    assert answers(cfg) == answers(fp32_run[0])
+
+
+def answers(cfg) -> dict[str, list[int]]:
+    return {r["id"]: r["input_ids"] for r in pq.read_table(f"{out_dir(cfg)}/conversations.parquet").to_pylist()}
 
 
 def test_capture_covers_prompt_and_generated_tokens_but_the_last(fp32_run):
