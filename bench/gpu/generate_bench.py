@@ -16,6 +16,8 @@ time) and prints one `RESULT {json}` line:
   stage_generate, stage_two_pass, stage_capture_only   the generate stage (Ray Data + EngineActor)
   stage_two_pass_overlap   two_pass with generate.two_pass_overlap (both engines at once, half the GPU each; on a GPU
                   give engine_kwargs.kv_cache_memory_bytes, with --set under --recipe)
+  stage_<mode>@<method>   the stage row with generate.capture_method=<method> (forward, extract_hidden_states): both
+                  side by side in one call, `--modes plain,stage_generate@extract_hidden_states,stage_generate@forward`
 Rates exclude engine start (reported apart; an engine row's counts from before `import vllm`, as the stage's engine
 actor's does, with `vllm_import_s` the import's share): engine rows time the generate() call and the capture files being
 complete (`generate_s`: the call alone, files maybe still on their way); stage rows time from the first engine ready
@@ -47,10 +49,11 @@ CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_nu
 def make_cfg(args, work: str, mode: str, out_len: int):
     """A row's config: the recipe's verifier and generate sections as a user runs them (`--recipe`), else the bench's
     own; `--set` overrides either, and the row then sets its mode and output length."""
+    mode, _, method = mode.partition("@")  # a stage row `stage_<mode>@<generate.capture_method>`
     overlap = mode == "two_pass_overlap"
     if overlap:
         mode = "two_pass"
-    run = {"storage_path": work, "name": f"{mode}-{out_len}", "num_cpus": args.num_cpus}
+    run = {"storage_path": work, "name": f"{mode}{'-' + method if method else ''}-{out_len}", "num_cpus": args.num_cpus}
     if args.recipe:
         d = load_config(args.recipe, args.set).to_dict()
         d["run"] = {**d["run"], **run}
@@ -79,6 +82,8 @@ def make_cfg(args, work: str, mode: str, out_len: int):
             args.set,
         )
     d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
+    if method:
+        d["generate"]["capture_method"] = method
     # A row whose engine died measures nothing: it fails at the first death (the row records the error and the bench
     # goes on to the next) instead of Ray restarting the engine and retrying its units.
     d["generate"]["max_unit_attempts"] = 1
@@ -198,7 +203,9 @@ def stage_child(args, mode: str, out_len: int) -> dict:
 
     from eagle3_ray.generate.stage import run
 
+    row = f"stage_{mode}"
     cfg = make_cfg(args, args.work, mode, out_len)
+    mode = cfg.generate.mode
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     write_ingest(cfg, args, mode, out_len)
     ray_dir = os.path.join(args.work, "ray")  # the actors' logs, read below: the driver may exit before Ray
@@ -229,7 +236,7 @@ def stage_child(args, mode: str, out_len: int) -> dict:
     out_tokens = sum(conv["num_response_tokens"]) if mode != "capture_only" else 0
     prompt_tokens = sum(len(i) for i in conv["input_ids"]) - out_tokens
     return {
-        "mode": f"stage_{mode}",
+        "mode": row,
         "out_len": out_len,
         "wall_s": wall_s,
         "total_wall_s": summary["run_wall_s"],

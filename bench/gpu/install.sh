@@ -30,6 +30,17 @@ else
     cp bench/gpu/wheels.sha256 "$stamp"
     echo "install: $(ls "$wheels"/all/*.whl | wc -l) wheels into $site in $(( $(date +%s) - start_s )) s"
 fi
+# The project travels as the repository on PYTHONPATH, not as an installed package: its entry points
+# (pyproject.toml; the vLLM plugin of generate.capture_method=forward) go into a dist-info of their own in the site.
+plugin="$site/eagle3_ray_entry_points-0.0.0.dist-info"
+mkdir -p "$plugin"
+printf 'Metadata-Version: 2.1\nName: eagle3-ray-entry-points\nVersion: 0.0.0\n' > "$plugin/METADATA"
+"$PY" - "$plugin" <<'PY'
+import sys, tomllib
+groups = tomllib.load(open("pyproject.toml", "rb"))["project"]["entry-points"]
+with open(f"{sys.argv[1]}/entry_points.txt", "w") as f:
+    f.writelines(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) for g, eps in groups.items())
+PY
 [ -n "${PIP_TARGET_FLAGS:-}" ] && exit 0  # a rehearsal on another Python cannot import the cp312 set
 
 # shellcheck source=bench/gpu/env.sh
@@ -45,5 +56,7 @@ def version(name: str) -> str:
         return "MISSING"
 print("install: " + ", ".join(f"{n} {version(n)}" for n in names))
 import torch, vllm, ray, speculators, eagle3_ray  # noqa: E401,F401  the imports that every later call needs
+plugins = [e.name for e in md.entry_points(group="vllm.general_plugins")]
+print(f"install: vLLM plugins {plugins}")
 print(f"install: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, eagle3_ray from {eagle3_ray.__file__}")
 PY

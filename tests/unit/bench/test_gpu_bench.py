@@ -155,3 +155,6 @@ def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, mon
         assert (gen.mode, gen.two_pass_overlap, gen.max_tokens, gen.ignore_eos) == ("two_pass", True, 48, True)
         assert gen.max_unit_attempts == 1  # a row fails at its engine's first death, the bench goes on
         assert cfg.verifier.path == "m"
+        forward = make_cfg(parse_args(), str(tmp_path), "generate@forward", 48)
+        assert (forward.generate.mode, forward.generate.capture_method) == ("generate", "forward")
+        assert forward.run.name == "generate-forward-48"

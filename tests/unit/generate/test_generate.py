@@ -67,6 +67,53 @@ def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_d
     assert "self.scheduler.update_draft_token_ids(" in inspect.getsource(EngineCore)
 
 
+def test_the_forward_capture_method_loads_the_verifier_as_its_capture_model_in_a_plain_engine(tmp_path, monkeypatch):
+    """generate.capture_method=forward: no speculative method, no scheduler of ours, vLLM's own scheduling; the
+    verifier's architectures become the capture model's (registered by the project's vLLM plugin, whose entry point
+    the install provides) and the captured layer ids travel in hf_overrides, next to the user's own. A VLLM_PLUGINS
+    that leaves the plugin out is an error naming it, not an engine that captures nothing."""
+    from importlib.metadata import entry_points
+
+    from eagle3_ray.core.tiny_verifier import build_tiny_verifier
+    from eagle3_ray.generate import capture_model, engine
+
+    verifier = str(build_tiny_verifier("llama", tmp_path / "v"))
+    cfg = generate_cfg(
+        tmp_path, verifier, capture_method="forward", engine_kwargs={"hf_overrides": {"rope_theta": 5.0}}
+    )
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    kwargs = engine.engine_kwargs(cfg, verifier, [1, 3, 4, 6], "/s")
+    assert not {"speculative_config", "scheduler_cls", "async_scheduling"} & set(kwargs)
+    assert kwargs["hf_overrides"] == {
+        "architectures": ["Eagle3RayCapture_LlamaForCausalLM"],
+        capture_model.CAPTURE_LAYERS_KEY: [1, 3, 4, 6],
+        "rope_theta": 5.0,
+    }
+    assert kwargs["kv_transfer_config"]["kv_connector"] == engine.CONNECTOR_NAME
+    plain = engine.engine_kwargs(cfg, verifier, [1, 3, 4, 6], "/s", capture=False)
+    assert plain["hf_overrides"] == {"rope_theta": 5.0} and "kv_transfer_config" not in plain
+    (plugin,) = entry_points(group="vllm.general_plugins", name=capture_model.PLUGIN)
+    assert plugin.load() is capture_model.register
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(ValueError, match="VLLM_PLUGINS='lora_filesystem_resolver' leaves out eagle3_ray_capture"):
+        engine.engine_kwargs(cfg, verifier, [1, 3, 4, 6], "/s")
+
+
+def test_the_capture_model_is_the_verifiers_vllm_class_with_the_capture_before_it():
+    """capture_model's classes, as vLLM imports them by name: vLLM's class for the architecture, first in the MRO
+    after the capture mixin (so vLLM's interfaces, weights and compile hooks are the verifier's); an unknown
+    architecture is an AttributeError naming it."""
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    from eagle3_ray.generate import capture_model
+
+    cls = capture_model.Eagle3RayCapture_LlamaForCausalLM
+    assert cls.__mro__[1:3] == (capture_model._CaptureMixin, LlamaForCausalLM)
+    assert cls.__name__ == "Eagle3RayCapture_LlamaForCausalLM" and cls.__module__ == capture_model.__name__
+    with pytest.raises(AttributeError, match="NoSuchForCausalLM"):
+        _ = capture_model.Eagle3RayCapture_NoSuchForCausalLM
+
+
 def test_a_steps_finished_samples_are_gathered_in_groups_of_bounded_rows(tmp_path):
     """The connector gathers a step's finished samples from the hidden-state cache in consecutive groups of at most
     generate.capture_gather_bytes of rows (one gather of every sample an 8B-shaped step finished ran an H100 out of
