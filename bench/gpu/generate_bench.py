@@ -465,7 +465,7 @@ def parse_args():
         action="append",
         default=[],
         help="section.field=value override of --recipe or of the bench's own config (repeatable), "
-        "e.g. generate.capture_draft_slot=false",
+        "e.g. generate.capture_method=extract_hidden_states",
     )
     p.add_argument("--out-lens", default=None, help="comma-separated output lengths (default 256,2048; tiny 32,128)")
     p.add_argument("--num-prompts", type=int, default=None, help="default 200 (tiny: 24)")

@@ -175,22 +175,20 @@ class GenerateConfig:
     """Where vLLM's connector writes per-request captures until the writer reads them (a sample of a prefill unit's
     planned local shard leaves only a note there: its hidden states go into the shard): `auto` is /dev/shm (RAM) when
     it has room for `capture_buffer_bytes`, else the node's temp dir; or a local path."""
-    capture_method: Literal["extract_hidden_states", "forward"] = field(
-        default="extract_hidden_states", metadata=NOT_IN_VERSION
+    capture_method: Literal["forward", "extract_hidden_states", "extract_hidden_states_draft_slot"] = field(
+        default="forward", metadata=NOT_IN_VERSION
     )
-    """How a capture engine gets the captured layers' rows into its hidden-state cache. `extract_hidden_states`:
-    vLLM's speculative method of that name (synchronous scheduling, piecewise CUDA graphs; see capture_draft_slot).
-    `forward`: a plain vLLM engine whose verifier model writes them itself in its forward pass
-    (eagle3_ray/generate/capture_model.py): vLLM's defaults, async scheduling and full CUDA graphs included. Needs the
-    project installed as a package (its vLLM plugin) and a verifier whose vLLM model serves EAGLE-3. The captures are
-    the same (checked against transformers)."""
-    capture_draft_slot: bool = field(default=False, metadata=NOT_IN_VERSION)
-    """`true`: one-pass capture through vLLM's `extract_hidden_states` as vLLM runs it, each decode step also
-    verifying a one-token dummy draft (two tokens per request and the rejection sampler). The default `false` gives
-    the capture engines a scheduler that drops those drafts (eagle3_ray/generate/scheduler.py): every step computes
-    one token per request, as plain decoding does, and the capture is the same (checked against transformers on
-    vLLM-CPU and on an H100). It is faster or the same everywhere measured (docs/benchmarks.md): SmolLM2-135M on 2 CPU
-    cores 1.28x plain vLLM-CPU against 0.77x, the 8B shape on an H100 0.58x plain vLLM against 0.38x on an H200."""
+    """How a capture engine gets the captured layers' rows; the captures are the same (each checked against
+    transformers on vLLM-CPU and on an H100), the speed is not (docs/benchmarks.md).
+    `forward` (the default): a plain vLLM engine whose verifier model writes them in its own forward pass
+    (eagle3_ray/generate/capture_model.py), so vLLM keeps its defaults, async scheduling and full CUDA graphs
+    included. Needs the project installed as a package (its vLLM plugin) and a verifier whose vLLM model serves
+    EAGLE-3. 8B shape on an H100: 0.71x plain vLLM at 256 tokens, 0.85x at 2048.
+    `extract_hidden_states`: vLLM's speculative method of that name under synchronous scheduling, with a scheduler
+    that drops the method's one-token dummy drafts (eagle3_ray/generate/scheduler.py), so each decode step computes
+    one token per request. 0.52x on the same H100 run.
+    `extract_hidden_states_draft_slot`: the method as vLLM runs it, each decode step also verifying the dummy draft
+    (two tokens per request and the rejection sampler): 0.38x on an H200."""
     max_zero_row_share: float = 0.0
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
     sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:

@@ -8,6 +8,8 @@ contract).
 
 Where vLLM enters: `connector.py` is never imported by this package. vLLM's workers load it by name
 (`kv_connector_module_path="eagle3_ray.generate.connector"`, set in `engine.engine_kwargs`), and it writes each
-request's captured hidden states where the request's `kv_transfer_params` say. `scheduler.py` enters the same way
-(`scheduler_cls`, unless `generate.capture_draft_slot=true`).
+request's captured hidden states where the request's `kv_transfer_params` say. `capture_model.py` enters as vLLM's
+plugin (the `vllm.general_plugins` entry point): the verifier's class with the capture in its forward pass
+(`generate.capture_method=forward`, the default). `scheduler.py` enters by name too (`scheduler_cls`, with
+`generate.capture_method=extract_hidden_states`).
 """

@@ -49,7 +49,7 @@ START_ERROR = "generate: the vLLM engine failed to start"
 # does not import it (it imports vLLM), so the driver and evaluate can use engine.py without loading vLLM.
 CONNECTOR_NAME = "CaptureConnector"
 CONNECTOR_MODULE = "eagle3_ray.generate.connector"
-# vLLM imports it by name in the engine core (unless generate.capture_draft_slot=true)
+# vLLM imports it by name in the engine core (generate.capture_method=extract_hidden_states)
 NO_DRAFT_SCHEDULER = "eagle3_ray.generate.scheduler.NoDraftScheduler"
 # The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
 # short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
@@ -63,8 +63,9 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def engine_kwargs(
     cfg: Config, verifier_path: str, layer_ids: list[int], scratch_dir: str, capture: bool = True
 ) -> dict[str, Any]:
-    """Arguments for `vllm.LLM`: the verifier plus hidden-state capture through the project's connector;
-    `capture=False` is the plain engine of two_pass's first pass (no extract_hidden_states, no connector)."""
+    """Arguments for `vllm.LLM`: the verifier plus hidden-state capture through the project's connector, by
+    generate.capture_method (the capture model, or vLLM's extract_hidden_states); `capture=False` is the plain engine
+    of two_pass's first pass (no connector)."""
     gen = cfg.generate
     kwargs: dict[str, Any] = dict(
         model=verifier_path,
@@ -91,7 +92,7 @@ def engine_kwargs(
         # at every accepted draft, the worker falls one position behind, and the connector then saves rows that
         # belong to other tokens, the last ones never written (all-zero rows at the tail of one-pass samples).
         kwargs["async_scheduling"] = False
-        if not gen.capture_draft_slot:
+        if gen.capture_method == "extract_hidden_states":  # not extract_hidden_states_draft_slot
             kwargs["scheduler_cls"] = NO_DRAFT_SCHEDULER
     if capture:
         kwargs["kv_transfer_config"] = {

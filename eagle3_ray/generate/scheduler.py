@@ -1,5 +1,5 @@
-"""A vLLM scheduler for capture engines that never schedules draft tokens (`generate.capture_draft_slot=false`, the
-default).
+"""A vLLM scheduler for capture engines that never schedules draft tokens (`generate.capture_method=
+extract_hidden_states`).
 
 vLLM's `extract_hidden_states` method caches the verifier's aux hidden states of every token a step computes, and
 then returns each request's sampled token as a one-token "draft": the next decode step computes two tokens per

@@ -87,41 +87,21 @@ def test_captured_hidden_states_equal_a_transformers_forward_pass_in_fp32(fp32_r
     assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
 
 
-def test_with_and_without_the_draft_slot_the_capture_equals_transformers_and_the_answers_are_the_same(
-    fp32_run, tiny_llama_fp32, tmp_path
-):
-    """generate.capture_draft_slot=true (vLLM's extract_hidden_states as it runs, a dummy draft verified at every
-    decode step) against the default run without it (one token per request per step): the same greedy answers, and
-    every captured row, prompt and generated tokens alike, a transformers forward pass in both. This run also
-    gathers at most 3 token rows from the cache at once (capture_gather_bytes: 3 rows of 4 layers x 256 fp32), so
-    the samples a step finishes are saved group by group, each larger than the bound alone."""
+def test_both_capture_methods_equal_transformers_and_give_the_same_answers(fp32_run, tiny_llama_fp32, tmp_path):
+    """generate.capture_method=extract_hidden_states (vLLM's speculative method, its dummy drafts dropped) against the
+    default forward capture of fp32_run (a plain engine whose verifier model writes the rows in its forward pass,
+    loaded through the project's vLLM plugin): the same greedy answers and counts, and every captured row, prompt and
+    generated tokens alike, a transformers forward pass in both. This run also gathers at most 3 token rows from the
+    cache at once (capture_gather_bytes: 3 rows of 4 layers x 256 fp32), so the samples a step finishes are saved
+    group by group, each larger than the bound alone."""
     cfg = generate_cfg(
         tmp_path,
         tiny_llama_fp32,
         "float32",
         hidden_states_dtype="float32",
         oversize="reject",
-        capture_draft_slot=True,
+        capture_method="extract_hidden_states",
         capture_gather_bytes=3 * 4 * 256 * 4,
-    )
-    ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
-    summary = run(cfg)
-    assert summary["rows_ok"] == fp32_run[2]["rows_ok"] and summary["captured_tokens"] == fp32_run[2]["captured_tokens"]
-    assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
-    assert answers(cfg) == answers(fp32_run[0])
-
-
-def test_the_forward_capture_method_equals_transformers_and_gives_the_same_answers(fp32_run, tiny_llama_fp32, tmp_path):
-    """generate.capture_method=forward: a plain vLLM engine (no speculative method) whose verifier model writes the
-    captured rows in its own forward pass (generate/capture_model.py, loaded through the project's vLLM plugin):
-    every row a transformers forward pass, the same greedy answers and counts as the extract_hidden_states run."""
-    cfg = generate_cfg(
-        tmp_path,
-        tiny_llama_fp32,
-        "float32",
-        hidden_states_dtype="float32",
-        oversize="reject",
-        capture_method="forward",
     )
     ingest(cfg, tiny_llama_fp32, num_single=12, num_multi=3, long_words=60)
     summary = run(cfg)

@@ -147,11 +147,11 @@ def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, mon
     from generate_bench import make_cfg, parse_args
 
     for recipe in ([], ["--recipe", str(REPO / "ray_jobs/configs/smollm2_cpu.yaml")]):
-        argv = ["generate_bench.py", "m", "--tiny", *recipe, "--set", "generate.capture_draft_slot=true"]
+        argv = ["generate_bench.py", "m", "--tiny", *recipe, "--set", "generate.capture_method=extract_hidden_states"]
         monkeypatch.setattr(sys, "argv", [*argv, "--set", "generate.writer_threads=3"])
         cfg = make_cfg(parse_args(), str(tmp_path), "two_pass_overlap", 48)
         gen = cfg.generate
-        assert (gen.capture_draft_slot, gen.writer_threads) == (True, 3), recipe
+        assert (gen.capture_method, gen.writer_threads) == ("extract_hidden_states", 3), recipe
         assert (gen.mode, gen.two_pass_overlap, gen.max_tokens, gen.ignore_eos) == ("two_pass", True, 48, True)
         assert gen.max_unit_attempts == 1  # a row fails at its engine's first death, the bench goes on
         assert cfg.verifier.path == "m"

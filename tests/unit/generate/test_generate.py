@@ -34,21 +34,13 @@ def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_
     assert [u.unit_id for u in again] == [u.unit_id for u in units]
 
 
-def test_capture_engines_schedule_synchronously_and_the_plain_engine_keeps_vllms_default(tmp_path):
-    """Async scheduling (vLLM's GPU default for EAGLE-type methods) shifts extract_hidden_states' captured rows
-    against the saved tokens at every accepted draft and leaves the tail rows unwritten: capture engines turn it off."""
-    from eagle3_ray.generate import engine
-
-    cfg = generate_cfg(tmp_path, "unused")
-    kwargs = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")
-    assert kwargs["async_scheduling"] is False and kwargs["speculative_config"]["enforce_eager"] is True
-    assert "async_scheduling" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
-
-
-def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_drops_vllms_drafts(tmp_path):
-    """generate.capture_draft_slot=false (the default): capture engines get NoDraftScheduler, which overrides the
-    method vLLM's engine core hands each step's drafts to; the plain engine and `true` keep vLLM's scheduler. If vLLM
-    stops calling `update_draft_token_ids`, the override would silently do nothing: the last assert catches that."""
+def test_extract_hidden_states_engines_schedule_synchronously_and_drop_vllms_drafts(tmp_path):
+    """generate.capture_method=extract_hidden_states: async scheduling (vLLM's GPU default for EAGLE-type methods)
+    shifts the method's captured rows against the saved tokens at every accepted draft and leaves the tail rows
+    unwritten, so its engines schedule synchronously; they get NoDraftScheduler, which overrides the method vLLM's
+    engine core hands each step's drafts to; `extract_hidden_states_draft_slot` and the plain engine keep vLLM's
+    scheduler. If vLLM stops calling `update_draft_token_ids`, the override would silently do nothing: the last
+    assert catches that."""
     import inspect
 
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -57,30 +49,33 @@ def test_capture_without_the_draft_slot_gives_capture_engines_a_scheduler_that_d
     from eagle3_ray.generate import engine
     from eagle3_ray.generate.scheduler import NoDraftScheduler
 
-    cfg = generate_cfg(tmp_path, "unused")
-    assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["scheduler_cls"] == engine.NO_DRAFT_SCHEDULER
-    assert "scheduler_cls" not in engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
-    with_slot = generate_cfg(tmp_path, "unused", capture_draft_slot=True)
-    assert "scheduler_cls" not in engine.engine_kwargs(with_slot, "m", [1, 3, 4, 6], "/s")
+    cfg = generate_cfg(tmp_path, "unused", capture_method="extract_hidden_states")
+    kwargs = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")
+    assert kwargs["async_scheduling"] is False and kwargs["speculative_config"]["enforce_eager"] is True
+    assert kwargs["scheduler_cls"] == engine.NO_DRAFT_SCHEDULER
+    plain = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)
+    assert not {"async_scheduling", "scheduler_cls", "speculative_config"} & set(plain)
+    with_slot = generate_cfg(tmp_path, "unused", capture_method="extract_hidden_states_draft_slot")
+    slot = engine.engine_kwargs(with_slot, "m", [1, 3, 4, 6], "/s")
+    assert "scheduler_cls" not in slot and slot["speculative_config"]["method"] == "extract_hidden_states"
     assert engine.NO_DRAFT_SCHEDULER == f"{NoDraftScheduler.__module__}.{NoDraftScheduler.__qualname__}"
     assert issubclass(NoDraftScheduler, Scheduler) and "update_draft_token_ids" in vars(NoDraftScheduler)
     assert "self.scheduler.update_draft_token_ids(" in inspect.getsource(EngineCore)
 
 
 def test_the_forward_capture_method_loads_the_verifier_as_its_capture_model_in_a_plain_engine(tmp_path, monkeypatch):
-    """generate.capture_method=forward: no speculative method, no scheduler of ours, vLLM's own scheduling; the
-    verifier's architectures become the capture model's (registered by the project's vLLM plugin, whose entry point
-    the install provides) and the captured layer ids travel in hf_overrides, next to the user's own. A VLLM_PLUGINS
-    that leaves the plugin out is an error naming it, not an engine that captures nothing."""
+    """generate.capture_method=forward (the default): no speculative method, no scheduler of ours, vLLM's own
+    scheduling; the verifier's architectures become the capture model's (registered by the project's vLLM plugin,
+    whose entry point the install provides) and the captured layer ids travel in hf_overrides, next to the user's.
+    A VLLM_PLUGINS that leaves the plugin out is an error naming it, not an engine that captures nothing."""
     from importlib.metadata import entry_points
 
     from eagle3_ray.core.tiny_verifier import build_tiny_verifier
     from eagle3_ray.generate import capture_model, engine
 
     verifier = str(build_tiny_verifier("llama", tmp_path / "v"))
-    cfg = generate_cfg(
-        tmp_path, verifier, capture_method="forward", engine_kwargs={"hf_overrides": {"rope_theta": 5.0}}
-    )
+    cfg = generate_cfg(tmp_path, verifier, engine_kwargs={"hf_overrides": {"rope_theta": 5.0}})
+    assert cfg.generate.capture_method == "forward"  # the default
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     kwargs = engine.engine_kwargs(cfg, verifier, [1, 3, 4, 6], "/s")
     assert not {"speculative_config", "scheduler_cls", "async_scheduling"} & set(kwargs)
@@ -125,7 +120,8 @@ def test_a_steps_finished_samples_are_gathered_in_groups_of_bounded_rows(tmp_pat
     assert [list(g) for g in groups] == [[0, 1], [2], [3], [4, 5, 6]]
     assert [list(g) for g in gather_groups([2, 2, 2], max_rows=100)] == [[0, 1, 2]]
     assert gather_groups([], max_rows=7) == []
-    cfg = generate_cfg(tmp_path, "unused", capture_gather_bytes=1 << 20)
+    # (extract_hidden_states: its engine arguments need no verifier config, which "m" is not)
+    cfg = generate_cfg(tmp_path, "unused", capture_gather_bytes=1 << 20, capture_method="extract_hidden_states")
     extra = engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["gather_bytes"] == 1 << 20
 
@@ -157,7 +153,9 @@ def test_gpu_tensor_parallel_engines_use_the_ray_executor(tmp_path, monkeypatch)
     from eagle3_ray.generate import engine
 
     monkeypatch.setattr(engine, "_cpu_platform", lambda: False)  # the platform check is all that differs on a GPU
-    cfg = generate_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
+    cfg = generate_cfg(
+        tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0, capture_method="extract_hidden_states"
+    )
     assert engine.engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "ray"
 
 
@@ -364,13 +362,13 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs
 
     # CPU: capture during decode costs little against a plain decode, so one pass at any length
     assert mode(200, 256) == mode(10_000, 2048) == "generate"
-    # GPU without the draft slot (the default): one pass costs about what two passes do before the second engine
-    # start, so the start decides, even for 9,460 ShareGPT-sized samples x 512 tokens
+    # GPU with the forward capture (the default): one pass at 0.71x plain costs less than two passes with a second
+    # engine start, even for 9,460 ShareGPT-sized samples x 512 tokens
     gpu = {"num_gpus_per_worker": 1}
     assert mode(200, 256, **gpu) == mode(9_460, 512, **gpu) == "generate"
     # with vLLM's draft slot one pass decodes at 0.38x plain: 200 prompts x 256 tokens still do not pay for the
     # second start (the H200 bench's one-pass stage wall was the shorter one there); 9,460 x 512 do
-    slot = {**gpu, "capture_draft_slot": True}
+    slot = {**gpu, "capture_method": "extract_hidden_states_draft_slot"}
     assert mode(200, 256, **slot) == "generate"
     assert mode(9_460, 512, **slot) == "two_pass"
     # the same work over 16 replicas: each replica's share no longer pays for its second start
@@ -380,11 +378,11 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs
     assert mode(1, 16, **overlap) == "two_pass"
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "auto_mode" in line and "mode=two_pass" in line and "costs=cuda" in line and "overlap=True" in line
-    assert "draft_slot=True" in line
-    # the SmolLM2 H200 recipe (overlap, no draft slot) on its 9,460 ShareGPT openers x 512 tokens: two passes, the
-    # path measured at 0.98x plain vLLM on that model
+    assert "capture_method=extract_hidden_states_draft_slot" in line
+    # the SmolLM2 H200 recipe (overlap, the forward capture) on its 9,460 ShareGPT openers x 512 tokens: one pass
+    # (on an H100 its stage wall with the engine start was 71.1 s against two_pass_overlap's 74.0 s)
     recipe = load_config(REPO / "ray_jobs/configs/smollm2_h200.yaml")
-    assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))]) == "two_pass"
+    assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))]) == "generate"
     # an auto run that left first-pass records goes on as two_pass, even where a fresh run would take one pass
     cpu = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=256)
     assert resolve_mode(cpu, [Unit("u", [sample], 43 + 256)], first_pass_done=3) == "two_pass"
