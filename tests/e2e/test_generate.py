@@ -192,7 +192,7 @@ def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_pat
     assert table["strategy"] == "STRICT_PACK"
     ray_session.util.remove_placement_group(created[0])
     # vLLM's CPU build refuses the Ray executor; its TP workers are processes of the engine actor
-    assert engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s")["distributed_executor_backend"] == "mp"
+    assert engine_kwargs(cfg, "m", [1, 3, 4, 6], "/s", capture=False)["distributed_executor_backend"] == "mp"
 
 
 def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tmp_path, ray_session):
