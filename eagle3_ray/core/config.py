@@ -214,6 +214,10 @@ class GenerateConfig:
     """A sample longer than `max_batch_tokens`: process it in a batch of its own, or reject it with a reason."""
     temperature: float = 0.0
     """Sampling temperature for regeneration (0 = greedy)."""
+    responses_per_prompt: int = 1
+    """Regenerate each ingested conversation this many times, sampled (needs `temperature` > 0): more training data
+    from the same prompts, all of it the verifier's own distribution. The copies' sample ids are `<id>#<k>`
+    (k >= 1), and training's validation split keeps the responses of one prompt together."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     max_tokens: int = 256
@@ -242,6 +246,12 @@ class GenerateConfig:
         )
         _check(self.max_batch_tokens > 0, "generate.max_batch_tokens", "must be > 0")
         _check(self.temperature >= 0, "generate.temperature", "must be >= 0")
+        _check(self.responses_per_prompt >= 1, "generate.responses_per_prompt", "must be >= 1")
+        _check(
+            self.responses_per_prompt == 1 or (self.temperature > 0 and self.mode != "capture_only"),
+            "generate.responses_per_prompt",
+            "> 1 needs sampled responses: generate.temperature > 0 and a mode that generates (not capture_only)",
+        )
         _check(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _check(self.max_tokens > 0, "generate.max_tokens", "must be > 0")
         _check(self.shard_max_bytes > 0, "generate.shard_max_bytes", "must be > 0")

@@ -48,6 +48,19 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64,
 }
 
+
+def response_id(prompt_id: str, k: int) -> str:
+    """The sample id of a prompt's k-th regenerated response (generate.responses_per_prompt): the prompt's own id for
+    k = 0, `<prompt id>#<k>` after it. Ingested ids never end in `#<digits>` (content hashes, `sharegpt:<id>`)."""
+    return prompt_id if k == 0 else f"{prompt_id}#{k}"
+
+
+def prompt_of(sample_id: str) -> str:
+    """The prompt id a sample id was made from (response_id's inverse): samples of one prompt share it."""
+    base, sep, k = sample_id.rpartition("#")
+    return base if sep and k.isdigit() else sample_id
+
+
 MANIFEST_SCHEMA = pa.schema(
     [
         ("id", pa.string()),  # sample id (content hash from ingest)

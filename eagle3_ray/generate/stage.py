@@ -138,7 +138,7 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
     contract = capture_contract(cfg, verifier_path)
     storage.write_json_atomic(storage.join(out, "capture.json"), contract)
 
-    table = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet"))
+    table = with_responses(storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")), cfg)
     clean_orphans(out)
     commit.clear_attempts(out)
     done = committed_ids(out)
@@ -160,6 +160,18 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
     processed = _execute(cfg, units, verifier_path, contract["layer_ids"], out) if units else {"tokens": 0, "bytes": 0}
     wall_s = time.monotonic() - start
     return finalise(cfg, out, table, plan_rejects, contract, processed, wall_s)
+
+
+def with_responses(table: pa.Table, cfg: Config) -> pa.Table:
+    """The stage's samples: each ingested conversation `generate.responses_per_prompt` times, one after the other
+    (a prompt's copies share a unit, so its prefix is cached), ids by shards.response_id; what the outputs reconcile
+    against."""
+    n = cfg.generate.responses_per_prompt
+    if n == 1:
+        return table
+    out = table.take(pa.array([i for i in range(table.num_rows) for _ in range(n)], pa.int64()))
+    ids = [shards.response_id(i, k) for i in table.column("id").to_pylist() for k in range(n)]
+    return out.set_column(out.schema.get_field_index("id"), "id", pa.array(ids, pa.string()))
 
 
 def chat_encoder(verifier_path: str, cfg: Config):

@@ -62,8 +62,9 @@ class SampleRef:
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:
-    """Held-out split by id hash: stable across runs, worker counts and dataset order."""
-    bucket = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+    """Held-out split by the hash of the sample's prompt id (shards.prompt_of): stable across runs, worker counts and
+    dataset order, and the responses of one prompt (generate.responses_per_prompt) all on the same side."""
+    bucket = int(hashlib.sha256(shards.prompt_of(sample_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
     return bucket < val_fraction
 
 

@@ -36,7 +36,14 @@ from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate import chat, commit
 from eagle3_ray.generate.output import capture_contract
-from eagle3_ray.generate.stage import chat_encoder, plan_units, replica_options, sample_cost, with_prefill_ids
+from eagle3_ray.generate.stage import (
+    chat_encoder,
+    plan_units,
+    replica_options,
+    sample_cost,
+    with_prefill_ids,
+    with_responses,
+)
 from eagle3_ray.train import data, vocab
 from eagle3_ray.train.online_engine import StreamEngine
 from eagle3_ray.train.worker import WorkerArgs
@@ -154,7 +161,7 @@ def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
 
 def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
     """(rows, units, plan rejects, token costs) of the conversations this run trains on."""
-    rows = storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")).to_pylist()
+    rows = with_responses(storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")), cfg).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
     encoder = chat_encoder(verifier_path, cfg)
     rows = with_prefill_ids(rows, cfg, encoder)

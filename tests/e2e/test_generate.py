@@ -218,8 +218,14 @@ def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tm
         ray_session.kill(actor)
 
 
-def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, tiny_llama_fp32, ray_session):
-    """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states."""
+def test_tensor_parallel_2_engine_captures_what_transformers_computes_for_sampled_responses(
+    tmp_path, tiny_llama_fp32, ray_session
+):
+    """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states. The
+    run also samples two responses per prompt (generate.responses_per_prompt=2): every ingested conversation twice,
+    the copy as `<id>#1`, each captured; the two answers of a prompt differ."""
+    from eagle3_ray.generate.stage import with_responses
+
     cfg = generate_cfg(
         tmp_path,
         tiny_llama_fp32,
@@ -227,12 +233,17 @@ def test_tensor_parallel_2_engine_captures_what_transformers_computes(tmp_path, 
         hidden_states_dtype="float32",
         tensor_parallel_size=2,
         num_gpus_per_worker=0.0,
+        responses_per_prompt=2,
+        temperature=1.0,
     )
     table = ingest(cfg, tiny_llama_fp32, num_single=6, num_multi=2)
     summary = run(cfg)
-    assert summary["rows_ok"] == table.num_rows
-    assert_every_sample_exactly_once(out_dir(cfg), table)
+    samples = with_responses(table, cfg)
+    assert summary["rows_ok"] == samples.num_rows == 2 * table.num_rows
+    assert_every_sample_exactly_once(out_dir(cfg), samples)
     assert max_relative_error(out_dir(cfg), tiny_llama_fp32, torch.float32) < 1e-5
+    got = answers(cfg)
+    assert sum(got[i] != got[f"{i}#1"] for i in table["id"].to_pylist()) >= table.num_rows // 2
 
 
 def _engine_core_pid(out: str, timeout_s: float = 400) -> int:

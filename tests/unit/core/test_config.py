@@ -118,6 +118,8 @@ def test_unknown_key_names_it_and_suggests_the_closest(override, message):
         ("ingest.inputs=data.jsonl", "ingest.inputs"),
         ("verifier.aux_layer_ids=[2, 2, 5]", "verifier.aux_layer_ids"),
         ("generate.tensor_parallel_size=3", "generate.tensor_parallel_size"),
+        ("generate.responses_per_prompt=0", "generate.responses_per_prompt"),
+        ("generate.responses_per_prompt=2", "generate.responses_per_prompt"),  # greedy: the same answer twice
         ("run.name=a/b", "run.name"),
     ],
 )

@@ -154,6 +154,28 @@ def test_validation_split_is_stable_by_id():
     assert held == [i for i in reversed(ids) if data.is_validation(i, 0.1)][::-1]
 
 
+def test_the_responses_of_one_prompt_are_samples_on_the_same_side_of_the_split():
+    """generate.responses_per_prompt: the stage's samples are each ingested row n times in a row, ids `<id>#<k>`;
+    the validation split hashes the prompt id, so no prompt trains on one response and validates on another."""
+    import pyarrow as pa
+
+    from eagle3_ray.core.config import config_from_dict
+    from eagle3_ray.core.shards import prompt_of, response_id
+    from eagle3_ray.generate.stage import with_responses
+
+    table = pa.table({"id": ["a1", "sharegpt:x_0"], "messages": [[{"role": "user", "content": "hi"}]] * 2})
+    cfg = config_from_dict({"generate": {"responses_per_prompt": 3, "temperature": 0.7}})
+    got = with_responses(table, cfg)
+    assert got.column("id").to_pylist() == ["a1", "a1#1", "a1#2", "sharegpt:x_0", "sharegpt:x_0#1", "sharegpt:x_0#2"]
+    assert got.column("messages").to_pylist() == [table.column("messages")[0].as_py()] * 6
+    assert with_responses(table, config_from_dict({})) is table
+    assert [prompt_of(i) for i in got.column("id").to_pylist()] == ["a1"] * 3 + ["sharegpt:x_0"] * 3
+    assert prompt_of("a#b") == "a#b" and response_id("p", 0) == "p"
+    ids = [f"{i:016x}" for i in range(500)]
+    for i in ids:
+        assert len({data.is_validation(response_id(i, k), 0.1) for k in range(4)}) == 1
+
+
 def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_item_its_own_group():
     from eagle3_ray.core.shards import greedy_groups
 
