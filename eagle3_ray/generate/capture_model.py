@@ -16,7 +16,8 @@ Padded token slots (-1: CUDA-graph padding) go to the null block (block 0, never
 The classes are registered with vLLM in every vLLM process through the `vllm.general_plugins` entry point
 (`register`, pyproject.toml): lazily, one name per architecture vLLM knows, each made on first use by this module's
 `__getattr__`. The engine (generate/engine.py) names the subclass through `hf_overrides`: `architectures` and
-CAPTURE_LAYERS_KEY, the captured layer ids.
+CAPTURE_LAYERS_KEY, the captured layer ids. vLLM is imported inside the functions: engine.py imports this module for
+its names, and the driver and evaluate use engine.py without loading vLLM.
 """
 
 from __future__ import annotations
