@@ -81,7 +81,8 @@ def make_cfg(args, work: str, mode: str, out_len: int):
             },
             args.set,
         )
-    d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0)
+    # every row: one greedy response of out_len tokens per prompt, as the plain rows generate
+    d["generate"].update(mode=mode, max_tokens=out_len, ignore_eos=True, temperature=0.0, responses_per_prompt=1)
     if method:
         d["generate"]["capture_method"] = method
     # A row whose engine died measures nothing: it fails at the first death (the row records the error and the bench
