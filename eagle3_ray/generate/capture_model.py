@@ -16,14 +16,17 @@ Padded token slots (-1: CUDA-graph padding) go to the null block (block 0, never
 The classes are registered with vLLM in every vLLM process through the `vllm.general_plugins` entry point
 (`register`, pyproject.toml): lazily, one name per architecture vLLM knows, each made on first use by this module's
 `__getattr__`. The engine (generate/engine.py) names the subclass through `hf_overrides`: `architectures` and
-CAPTURE_LAYERS_KEY, the captured layer ids. vLLM is imported inside the functions: engine.py imports this module for
-its names, and the driver and evaluate use engine.py without loading vLLM.
+CAPTURE_LAYERS_KEY, the captured layer ids. vLLM is imported inside the functions, none of them on the forward path:
+engine.py imports this module for its names, and the driver and evaluate use engine.py without loading vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
+
+import torch
+from torch import nn
 
 PREFIX = "Eagle3RayCapture_"
 CAPTURE_LAYERS_KEY = "eagle3_ray_capture_layer_ids"
@@ -63,7 +66,6 @@ class _CaptureMixin:
     forward pass, and the model runner gets the last hidden states alone, as from the plain model."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        import torch.nn as nn
         from vllm.model_executor.models.utils import maybe_prefix
 
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -94,8 +96,6 @@ class _CaptureMixin:
         self._cache_layer = self.cache_only_layers[name]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
         out = super().forward(*args, **kwargs)
         if not isinstance(out, tuple):  # a pipeline stage's intermediate tensors
             return out

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 from eagle3_ray.core import shards
 from eagle3_ray.core.config import GenerateConfig
+from eagle3_ray.generate.capture_model import CAPTURE_LAYERS_KEY
 
 
 def gather_groups(num_rows: list[int], max_rows: int) -> list[range]:
@@ -296,13 +297,11 @@ class CaptureConnector(ExampleHiddenStatesConnector):
 def _with_capture_layers(vllm_config: Any) -> Any:
     """A shallow copy of `vllm_config` whose speculative config names the captured layers as extract_hidden_states'
     does (`draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids`)."""
-    from eagle3_ray.generate.capture_model import CAPTURE_LAYERS_KEY
-
     layer_ids = getattr(vllm_config.model_config.hf_config, CAPTURE_LAYERS_KEY, None)
     if not layer_ids:
         raise ValueError(
             "CaptureConnector needs vLLM's extract_hidden_states method or the capture model "
-            "(generate.capture_method=forward, hf_overrides.{CAPTURE_LAYERS_KEY})"
+            f"(generate.capture_method=forward, hf_overrides.{CAPTURE_LAYERS_KEY})"
         )
     draft = SimpleNamespace(hf_config=SimpleNamespace(eagle_aux_hidden_state_layer_ids=list(layer_ids)))
     shim = copy.copy(vllm_config)
