@@ -215,9 +215,12 @@ class GenerateConfig:
     temperature: float = 0.0
     """Sampling temperature for regeneration (0 = greedy)."""
     responses_per_prompt: int = 1
-    """Regenerate each ingested conversation this many times, sampled (needs `temperature` > 0): more training data
-    from the same prompts, all of it the verifier's own distribution. The copies' sample ids are `<id>#<k>`
-    (k >= 1), and training's validation split keeps the responses of one prompt together."""
+    """Regenerate each ingested conversation this many times (> 1 needs `temperature` > 0): the first response
+    greedy, the others sampled at `temperature`, all of them the verifier's own distribution: more training data from
+    the same prompts. The copies' sample ids are `<id>#<k>` (k >= 1). Training's validation split keeps the responses
+    of one prompt together and validates on the greedy one, which is what greedy serving decodes (a sampled response
+    agrees with the verifier's top token far less often, which would make training's acceptance estimate low); the
+    sampled responses of validation prompts are held out of both sides."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     max_tokens: int = 256

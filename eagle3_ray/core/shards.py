@@ -61,6 +61,13 @@ def prompt_of(sample_id: str) -> str:
     return base if sep and k.isdigit() else sample_id
 
 
+def is_greedy_response(sample_id: str, temperature: float, responses_per_prompt: int) -> bool:
+    """Whether generate decodes this sample's response greedily: every one at temperature 0; with several responses
+    per prompt, the first (k = 0, the prompt's own id) is the greedy one and the others are sampled at
+    `temperature`, so each prompt has the response greedy serving decodes, which training's estimate replays."""
+    return temperature == 0 or (responses_per_prompt > 1 and prompt_of(sample_id) == sample_id)
+
+
 MANIFEST_SCHEMA = pa.schema(
     [
         ("id", pa.string()),  # sample id (content hash from ingest)

@@ -27,7 +27,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from eagle3_ray.core import contract, shards, stage, storage, verifiers
+from eagle3_ray.core import contract, stage, storage, verifiers
 from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.telemetry import log
@@ -136,11 +136,7 @@ def validation_prompts(cfg: Config, training_data_dir: str, table: Any = None) -
     if cfg.evaluate.contract_prompts == 0:
         return []
     split = storage.read_json(storage.join(stage.input_dir(cfg, "train"), "split.json"))
-    wanted, seen = [], set()  # one sample per prompt (generate.responses_per_prompt gives several)
-    for i in split["val_ids"]:
-        if len(wanted) < cfg.evaluate.contract_prompts and shards.prompt_of(i) not in seen:
-            seen.add(shards.prompt_of(i))
-            wanted.append(i)
+    wanted = split["val_ids"][: cfg.evaluate.contract_prompts]  # one (greedy) response per prompt: data.split_role
     table = training_conversations(training_data_dir) if table is None else table
     by_id = dict(zip(table.column("id").to_pylist(), table.column("messages").to_pylist(), strict=True))
     missing = [i for i in wanted if i not in by_id]

@@ -205,8 +205,9 @@ class Conversation:
             if include_output:  # generate's final turn: the capture that is stored
                 self.transfer_params.update(self.capture_target)
             extra = {"kv_transfer_params": self.transfer_params}
+        greedy = shards.is_greedy_response(self.record["id"], gen.temperature, gen.responses_per_prompt)
         params = SamplingParams(
-            temperature=gen.temperature,
+            temperature=0.0 if greedy else gen.temperature,
             top_p=gen.top_p,
             seed=request_seed(self.cfg.run.seed, self.record["id"], self.turn),
             ignore_eos=gen.ignore_eos and max_tokens > 1,

@@ -47,6 +47,7 @@ from speculators.train.recovery import RECOVERY_METADATA_KEY, RecoveryMetadata, 
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from eagle3_ray.core import shards, storage
+from eagle3_ray.core.config import Config
 
 
 @dataclass(slots=True)
@@ -66,6 +67,19 @@ def is_validation(sample_id: str, val_fraction: float) -> bool:
     dataset order, and the responses of one prompt (generate.responses_per_prompt) all on the same side."""
     bucket = int(hashlib.sha256(shards.prompt_of(sample_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
     return bucket < val_fraction
+
+
+def split_role(sample_id: str, cfg: Config) -> str:
+    """`train`, `val`, or `held_out`: a validation prompt's sampled responses when generate also decoded its greedy
+    one (generate.responses_per_prompt > 1). Validation is greedy there, as serving is: the replay estimate scores
+    drafts against the verifier's top token where the row holds it, which a sampled response does only part of the
+    time (72% at the first position on SmolLM2 at temperature 0.7), so sampled rows pull the estimate under vLLM's."""
+    if not is_validation(sample_id, cfg.train.val_fraction):
+        return "train"
+    n = cfg.generate.responses_per_prompt
+    if n > 1 and not shards.is_greedy_response(sample_id, cfg.generate.temperature, n):
+        return "held_out"
+    return "val"
 
 
 def build_refs(manifest: list[dict], conversations: dict[str, dict], shards_dir: str) -> list[SampleRef]:

@@ -142,7 +142,7 @@ def draft_vocab(out_dir: str, rows: list[dict], cfg: Config, encoder, capture: d
     vocab_dir = storage.join(out_dir, "vocab")
     if vocab.vocab_exists(vocab_dir):
         return
-    train_rows = [r for r in rows if not data.is_validation(r["id"], cfg.train.val_fraction)]
+    train_rows = [r for r in rows if data.split_role(r["id"], cfg) == "train"]
     counted = []
     for r in train_rows:
         ids = encoder.encode(r["messages"], r["messages"][-1]["role"] != "assistant")
@@ -160,23 +160,27 @@ def estimated_steps_per_epoch(costs: list[int], cfg: Config) -> int:
 
 
 def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
-    """(rows, units, plan rejects, token costs) of the conversations this run trains on."""
+    """(rows, units, plan rejects, token costs, encoder, held-out count) of the conversations this run trains on: a
+    validation prompt's sampled responses (data.split_role `held_out`) are counted, not generated."""
     rows = with_responses(storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")), cfg).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
+    num_held_out = sum(data.split_role(r["id"], cfg) == "held_out" for r in rows)
+    rows = [r for r in rows if data.split_role(r["id"], cfg) != "held_out"]
     encoder = chat_encoder(verifier_path, cfg)
     rows = with_prefill_ids(rows, cfg, encoder)
     costs = [sample_cost(r, cfg, encoder) for r in rows]
     units, rejects = plan_units(rows, costs, cfg)
-    return rows, units, rejects, costs, encoder
+    return rows, units, rejects, costs, encoder, num_held_out
 
 
-def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], cfg: Config) -> dict:
+def _write_split(out_dir: str, rows: list[dict], rejects: list[dict], num_held_out: int, cfg: Config) -> dict:
     rejected = {r["id"] for r in rejects}
-    ids = [r["id"] for r in rows if r["id"] not in rejected]
-    val_ids = sorted(i for i in ids if data.is_validation(i, cfg.train.val_fraction))
+    roles = {r["id"]: data.split_role(r["id"], cfg) for r in rows if r["id"] not in rejected}
+    val_ids = sorted(i for i, role in roles.items() if role == "val")
     split = {
         "val_fraction": cfg.train.val_fraction,
-        "num_train": len(ids) - len(val_ids),
+        "num_train": sum(role == "train" for role in roles.values()),
+        "num_held_out": num_held_out,
         "val_ids": val_ids,
         "source": "online",
         "plan_rejects": rejects,
@@ -191,9 +195,9 @@ def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
     their placement groups."""
     verifier_path = verifier_dir(cfg)
     capture = capture_contract(cfg, verifier_path)
-    rows, units, rejects, costs, encoder = _plan(cfg, ingest_dir, verifier_path)
+    rows, units, rejects, costs, encoder, num_held_out = _plan(cfg, ingest_dir, verifier_path)
     storage.write_json_atomic(storage.join(out_dir, "capture.json"), capture)
-    split = _write_split(out_dir, rows, rejects, cfg)
+    split = _write_split(out_dir, rows, rejects, num_held_out, cfg)
     draft_vocab(out_dir, rows, cfg, encoder, capture)
     cache_dir = storage.join(out_dir, "cache") if cfg.train.online_cache else None
     if cache_dir:
@@ -205,6 +209,7 @@ def prepare(cfg: Config, ingest_dir: str, out_dir: str, created_pgs: list):
         units=len(units),
         num_train=split["num_train"],
         num_val=len(split["val_ids"]),
+        num_held_out=num_held_out,
         plan_rejects=len(rejects),
         workers=cfg.train.num_workers,
         epochs=cfg.train.epochs,

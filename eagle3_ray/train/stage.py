@@ -121,6 +121,7 @@ def finish(cfg: Config, out_dir: str, split: dict, problems: dict[str, str]) -> 
     return {
         "num_train": split["num_train"],
         "num_val": len(split["val_ids"]),
+        "num_held_out": split.get("num_held_out", 0),
         "num_bad_samples": len(problems),
         "bad_samples": problems,
         **checkpoints.latest_record(out_dir, storage.join(out_dir, "best")),
@@ -168,10 +169,16 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     ensure_ray(cfg.run)
     capture = storage.read_json(storage.join(gen_dir, "capture.json"))
     refs, problems = prepare_samples(gen_dir, capture, cfg)
-    val = [r for r in refs if data.is_validation(r.id, cfg.train.val_fraction)]
-    train_refs = [r for r in refs if not data.is_validation(r.id, cfg.train.val_fraction)]
+    roles = [data.split_role(r.id, cfg) for r in refs]
+    val = [r for r, role in zip(refs, roles, strict=True) if role == "val"]
+    train_refs = [r for r, role in zip(refs, roles, strict=True) if role == "train"]
     check_split(len(train_refs), len(val), cfg)
-    split = {"val_fraction": cfg.train.val_fraction, "num_train": len(train_refs), "val_ids": sorted(r.id for r in val)}
+    split = {
+        "val_fraction": cfg.train.val_fraction,
+        "num_train": len(train_refs),
+        "num_held_out": roles.count("held_out"),
+        "val_ids": sorted(r.id for r in val),
+    }
     storage.write_json_atomic(storage.join(out_dir, "split.json"), split)
     vocab_dir = storage.join(out_dir, "vocab")
     if not vocab.vocab_exists(vocab_dir):
@@ -184,6 +191,7 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
         "plan",
         num_train=len(train_refs),
         num_val=len(val),
+        num_held_out=split["num_held_out"],
         num_bad_samples=len(problems),
         workers=cfg.train.num_workers,
         epochs=cfg.train.epochs,

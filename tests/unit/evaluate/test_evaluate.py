@@ -182,9 +182,9 @@ def test_report_and_summary_name_the_fastest_k_per_concurrency_and_the_identity_
     assert "7/0/1/0" in table and table.splitlines()[-1] == "deploy gate: PASS (at the fastest k per concurrency)"
 
 
-def test_the_validation_prompts_take_one_sample_per_prompt(tmp_path):
-    """With generate.responses_per_prompt > 1 the validation split holds a prompt's responses side by side
-    (`<id>`, `<id>#1`, ...): the serving check decodes each prompt once, the first of the split's ids."""
+def test_the_validation_prompts_are_the_first_of_the_splits_ids_up_to_the_first_user_turn(tmp_path):
+    """The serving check decodes the first `evaluate.contract_prompts` ids of training's validation split, each up to
+    its first user turn; the split holds one response per prompt (the greedy one, data.split_role)."""
     import pyarrow as pa
 
     from eagle3_ray.core import stage
@@ -192,11 +192,9 @@ def test_the_validation_prompts_take_one_sample_per_prompt(tmp_path):
 
     cfg = config_from_dict({"run": {"storage_path": str(tmp_path)}, "evaluate": {"contract_prompts": 2}})
     train = stage.output_dir(cfg, "train")
-    storage.write_json_atomic(storage.join(train, "split.json"), {"val_ids": ["a", "a#1", "a#2", "b", "b#1", "c"]})
+    storage.write_json_atomic(storage.join(train, "split.json"), {"val_ids": ["a", "b", "c"]})
     storage.write_json_atomic(storage.join(train, storage.SUCCESS_MARKER), {})
     user = [{"role": "user", "content": "q"}]
-    table = pa.table(
-        {"id": ["a", "a#1", "a#2", "b", "b#1", "c"], "messages": [user + [{"role": "assistant", "content": "r"}]] * 6}
-    )
+    table = pa.table({"id": ["a", "b", "c"], "messages": [user + [{"role": "assistant", "content": "r"}]] * 3})
     assert [p["id"] for p in evaluate.validation_prompts(cfg, "unused", table)] == ["a", "b"]
     assert evaluate.validation_prompts(cfg, "unused", table)[0]["messages"] == user

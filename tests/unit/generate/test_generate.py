@@ -695,3 +695,30 @@ def test_evaluate_engines_of_an_mla_verifier_on_a_cpu_without_amx_serve_mla_non_
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setenv("VLLM_MLA_DISABLE", "0")
     assert drafter_attention_env(str(mla), False) == {}
+
+
+def test_a_prompts_first_response_is_greedy_and_its_copies_are_sampled(tmp_path, tiny_llama):
+    """generate.responses_per_prompt > 1: the first response of each prompt is decoded greedily (what greedy serving
+    decodes, and what training validates on), the copies `<id>#<k>` at `temperature` with their own seeds; with one
+    response per prompt, `temperature` applies to it."""
+    import pyarrow as pa
+
+    from eagle3_ray.generate import chat
+    from eagle3_ray.generate import stage as generate
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    table = pa.table({"id": ["p"], "source": ["t"], "messages": [messages]})
+
+    def params(cfg):
+        encoder = generate.chat_encoder(tiny_llama, cfg)
+        out = {}
+        for sample in generate.with_responses(table, cfg).to_pylist():
+            _, _, p = chat.Conversation(sample, encoder, cfg, str(tmp_path), "u", "plain").start()
+            out[sample["id"]] = (p.temperature, p.seed)
+        return out
+
+    several = params(generate_cfg(tmp_path, tiny_llama, responses_per_prompt=3, temperature=0.7))
+    assert [t for t, _ in several.values()] == [0.0, 0.7, 0.7] and list(several) == ["p", "p#1", "p#2"]
+    assert several["p#1"][1] != several["p#2"][1]
+    assert params(generate_cfg(tmp_path, tiny_llama, temperature=0.7))["p"][0] == 0.7
+    assert params(generate_cfg(tmp_path, tiny_llama))["p"][0] == 0.0

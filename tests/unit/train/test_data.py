@@ -176,6 +176,27 @@ def test_the_responses_of_one_prompt_are_samples_on_the_same_side_of_the_split()
         assert len({data.is_validation(response_id(i, k), 0.1) for k in range(4)}) == 1
 
 
+def test_validation_holds_a_prompts_greedy_response_and_holds_its_sampled_ones_out_of_both_sides():
+    """With several responses per prompt the first is greedy (shards.is_greedy_response): the split validates on it,
+    as greedy serving decodes, and keeps the same prompt's sampled responses out of training and validation alike;
+    with one response per prompt every sample trains or validates, sampled or not."""
+    from eagle3_ray.core.config import config_from_dict
+    from eagle3_ray.core.shards import is_greedy_response, response_id
+
+    assert [is_greedy_response(response_id("p", k), 0.7, 3) for k in range(3)] == [True, False, False]
+    assert is_greedy_response("p#1", 0.0, 1) and not is_greedy_response("p", 0.7, 1)
+    gen = {"responses_per_prompt": 3, "temperature": 0.7}
+    cfg = config_from_dict({"generate": gen, "train": {"val_fraction": 0.2}})
+    prompts = [f"{i:016x}" for i in range(300)]
+    roles = {p: [data.split_role(response_id(p, k), cfg) for k in range(3)] for p in prompts}
+    val = [p for p in prompts if data.is_validation(p, 0.2)]
+    assert 30 < len(val) < 90
+    assert all(roles[p] == ["val", "held_out", "held_out"] for p in val)
+    assert all(roles[p] == ["train"] * 3 for p in prompts if p not in val)
+    single = config_from_dict({"generate": {"temperature": 0.7}, "train": {"val_fraction": 0.2}})
+    assert {data.split_role(p, single) for p in val} == {"val"}
+
+
 def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_item_its_own_group():
     from eagle3_ray.core.shards import greedy_groups
 
