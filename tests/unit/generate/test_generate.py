@@ -381,12 +381,13 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_engine_costs_of_the_nearest_mea
     assert "auto_mode" in line and "mode=two_pass" in line and "costs=cuda" in line and "overlap=True" in line
     assert "capture_method=extract_hidden_states_draft_slot" in line and f"verifier_size={llama_8b}" in line
     # SmolLM2 on a GPU: the forward capture's one pass decodes at 0.56x plain and the capture prefill is 7x the 8B's,
-    # so two passes win, one engine after the other too; the H200 recipe (overlap) on its 9,460 ShareGPT openers x
-    # 512 tokens: two_pass, the path measured at 0.98x plain vLLM on that model
+    # so two passes win, one engine after the other too; the H200 recipe (overlap) on its 9,460 ShareGPT openers x 2
+    # answers x 256 tokens: two_pass, the path measured at 0.98x plain vLLM on that model
     assert mode(9_460, 512, smollm2, **gpu) == "two_pass"
     assert "SmolLM2-135M" in capsys.readouterr().out
     recipe = load_config(REPO / "ray_jobs/configs/smollm2_h200.yaml")
-    assert resolve_mode(recipe, [Unit("u", [sample] * 9_460, 9_460 * (43 + 512))], smollm2) == "two_pass"
+    assert recipe.generate.responses_per_prompt == 2 and recipe.generate.max_tokens == 256
+    assert resolve_mode(recipe, [Unit("u", [sample] * 18_920, 18_920 * (43 + 256))], smollm2) == "two_pass"
     # an auto run that left first-pass records goes on as two_pass, even where a fresh run would take one pass
     cpu = generate_cfg(tmp_path, "unused", mode="auto", max_tokens=256)
     assert resolve_mode(cpu, [Unit("u", [sample], 43 + 256)], 256 * 6, first_pass_done=3) == "two_pass"
