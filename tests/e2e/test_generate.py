@@ -222,8 +222,8 @@ def test_tensor_parallel_2_engine_captures_what_transformers_computes_for_sample
     tmp_path, tiny_llama_fp32, ray_session
 ):
     """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states. The
-    run also samples two responses per prompt (generate.responses_per_prompt=2): every ingested conversation twice,
-    the copy as `<id>#1`, each captured; the two answers of a prompt differ."""
+    run also makes two responses per prompt (generate.responses_per_prompt=2): every ingested conversation twice, the
+    greedy answer and a sampled copy as `<id>#1`, each captured; the two answers of a prompt differ."""
     from eagle3_ray.generate.stage import with_responses
 
     cfg = generate_cfg(
