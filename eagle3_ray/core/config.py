@@ -462,7 +462,12 @@ class EvaluateConfig:
     """Gate: no greedy output may differ from plain decoding at the same concurrency in a way attributed to the
     drafter, at any measured k and concurrency. Differences explained by numerics are reported, not failed: plain
     decoding itself changes that prompt between batch shapes, or its top-2 logprobs are a near tie where the outputs
-    part (evaluate/identity.py)."""
+    part, or they agree in float32 (`fp32_recheck`) (evaluate/identity.py)."""
+    fp32_recheck: bool = True
+    """Where an output with the drafter differs from plain decoding with no numeric explanation, decode the waves
+    holding those prompts again with the verifier in float32, plain and with the drafter (two more engine starts, only
+    then); a prompt whose two float32 outputs agree is classed `numerics_fp32`, not `drafter`. The float32 verifier
+    takes twice the bf16 weights' memory: turn it off where that does not fit. A float32 verifier needs no recheck."""
     baseline_again: bool = True
     """Decode without the drafter a second time, after the drafter engines (timed passes at every concurrency), and
     report how far plain decoding's rate moved between the two (`baseline_drift` in the baseline rows). Speedups are

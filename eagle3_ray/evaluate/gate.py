@@ -97,6 +97,6 @@ def _identity_miss(row: dict[str, Any]) -> str:
     return (
         f"k={row['num_speculative_tokens']} c={row['concurrency']}: {len(found)} greedy output(s) differ from plain "
         f"decoding at the same concurrency with no numeric explanation (plain decoding is stable across batch shapes "
-        f"there and its top-2 margin is not a near tie): prompts {where}; this points at speculation (drafter vocab "
-        "mapping, verification)"
+        f"there, its top-2 margin is not a near tie, and rechecked in float32 the outputs still differ, where "
+        f"evaluate.fp32_recheck ran): prompts {where}; this points at speculation (drafter vocab mapping, verification)"
     )

@@ -14,8 +14,11 @@ compared with plain decoding at the same c (the same waves of c requests), and e
                     log-probabilities are within TIE_MARGIN_NATS. Verification scores k+1 tokens per sequence per
                     step where plain decoding scores one: another batch shape, so a near tie can tip even at
                     concurrency 1.
-    drafter         neither: no numeric explanation, so the evidence points at speculation (the drafter's vocab
-                    mapping, verification, vLLM's spec-decode path). Only this class fails
+    numerics_fp32   neither, but decoded again with the verifier in float32 (`evaluate.fp32_recheck`: the same
+                    wave of requests, plain and with the drafter), the two outputs of this prompt agree: the bf16
+                    rounding of verification's batch shape parted them, by more than a near tie, not the drafter.
+    drafter         no numeric explanation (in float32 too, where rechecked), so the evidence points at speculation
+                    (the drafter's vocab mapping, verification, vLLM's spec-decode path). Only this class fails
                     `evaluate.require_identical_outputs`.
 
 Positions count output tokens from 0. A position where one output has ended and the other has not counts as the first
@@ -33,7 +36,7 @@ from typing import Any
 # and 0 to 0.25 in the other, and 8% of all positions had a gap below 0.2. The limit is two rounding steps at that
 # size (bf16 0.25, fp16 0.031); float32 rounds 65536x finer than bf16, its limit is a nominal 0.001.
 TIE_MARGIN_NATS = {"bfloat16": 0.25, "float16": 0.031, "float32": 0.001}
-CLASSES = ("identical", "batch_numerics", "numerics_tie", "drafter")
+CLASSES = ("identical", "batch_numerics", "numerics_tie", "numerics_fp32", "drafter")
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -77,6 +80,14 @@ def classify(
     else:
         cls = "drafter"
     return {"class": cls, "first_diff_token": first, "plain_shift_token": shift, "margin": margin}
+
+
+def recheck(item: dict[str, Any], plain_fp32: list[int], spec_fp32: list[int]) -> dict[str, Any]:
+    """A `drafter` item after its wave was decoded again with the verifier in float32, plain (`plain_fp32`) and with
+    the drafter (`spec_fp32`): `numerics_fp32` where the two agree, else still `drafter`; `fp32_first_diff_token`
+    says where they part in float32 (None: they agree)."""
+    first = first_difference(spec_fp32, plain_fp32)
+    return {**item, "class": "drafter" if first is not None else "numerics_fp32", "fp32_first_diff_token": first}
 
 
 def compare(

@@ -6,7 +6,7 @@ A row is one (num_speculative_tokens, concurrency) measurement; `num_speculative
     acceptance_per_position = accepted at position i / drafts   (the chance the i-th draft token survives)
     speedup                 = output tokens/s with the drafter / without it, same prompts and concurrency
     identity                = prompts per greedy-identity class against plain decoding at the same concurrency
-                              (identity.py: identical, batch_numerics, numerics_tie, drafter)
+                              (identity.py: identical, batch_numerics, numerics_tie, numerics_fp32, drafter)
     by_category, by_turn    = the same rates per prompt category / conversation turn, when there are several
 Predicted acceptance (`predicted_vs_measured`) is training's replay of vLLM's draft/verify chain over the validation
 split (train/acceptance.py), shown next to the measured one on the evaluation prompts and on prompts of that
@@ -134,7 +134,7 @@ def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, 
 
 def _classes(row: dict[str, Any]) -> str:
     counts = row["identity"]
-    return "/".join(str(counts[c]) for c in identity.CLASSES)
+    return "/".join(str(counts.get(c, 0)) for c in identity.CLASSES)  # .get: results written before a class existed
 
 
 def recommended_line(gate: dict[str, Any]) -> str:
@@ -150,14 +150,14 @@ def summary_table(results: dict[str, Any]) -> str:
     the predictions, then the gate's verdict and its misses."""
     head = (
         f"{'k':>3} {'conc':>5} {'base tok/s':>11} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} "
-        f"{'mean len':>9} {'same/batch/tie/drafter':>23}  per-position acceptance"
+        f"{'mean len':>9} {'same/batch/tie/fp32/drafter':>28}  per-position acceptance"
     )
     lines = [head, "-" * len(head)]
     for r in (r for r in results["rows"] if r["num_speculative_tokens"]):
         lines.append(
             f"{r['num_speculative_tokens']:>3} {r['concurrency']:>5} {r['baseline_tokens_per_s']:>11.1f} "
             f"{r['tokens_per_s']:>11.1f} {r['speedup']:>7.2f}x {r['acceptance_rate']:>7.3f} "
-            f"{r['mean_acceptance_length']:>9.3f} {_classes(r):>23}  "
+            f"{r['mean_acceptance_length']:>9.3f} {_classes(r):>28}  "
             + " ".join(f"{a:.3f}" for a in r["acceptance_per_position"])
         )
     g = results["gate"]
@@ -253,7 +253,8 @@ def markdown(results: dict[str, Any]) -> str:
     table = [
         "| k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
         "| mean acceptance length "
-        "| per-position acceptance | greedy outputs identical / batch numerics / numerics tie / drafter |",
+        "| per-position acceptance "
+        "| greedy outputs identical / batch numerics / numerics tie / numerics fp32 / drafter |",
         "|" + "---|" * 9,
     ]
     table += [
@@ -317,8 +318,10 @@ def _identity_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> li
         "Greedy identity, against plain decoding at the same concurrency (identity.py): *batch numerics* = plain "
         "decoding itself changes this prompt between concurrency levels at or before the differing token; *numerics "
         f"tie* = plain's top-2 log-probabilities there are within {results['numerics_tie_margin_nats']} nats; "
-        "*drafter* = neither (fails `require_identical_outputs`).",
+        "*numerics fp32* = neither, but plain decoding and the drafter agree on it with the verifier in float32 "
+        "(the same wave decoded again); *drafter* = none of these (fails `require_identical_outputs`).",
         "",
+        *_fp32_recheck_lines(results.get("fp32_recheck")),
         f"Noise floor: plain decoding at concurrency {floor['concurrency'][0]} vs {floor['concurrency'][1]} differs "
         f"on {len(floor['differing'])} of {floor['num_outputs']} outputs"
         + (f" (top-2 margins at the flip: {', '.join(f'{m:.3f}' for m in margins)})" if margins else "")
@@ -341,6 +344,18 @@ def _identity_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> li
     total = sum(len(r["mismatches"]) for r in rows)
     more = [f"({total - len(listed)} more in results.json)", ""] if total > len(listed) else []
     return [*lines, "", *more]
+
+
+def _fp32_recheck_lines(rechecked: dict[str, Any] | None) -> list[str]:
+    if rechecked is None:
+        return []
+    if "error" in rechecked:
+        return [f"Float32 recheck of {rechecked['outputs']} output(s) could not run: {rechecked['error']}.", ""]
+    return [
+        f"Float32 recheck: {rechecked['agree_in_fp32']} of {rechecked['outputs']} output(s) without a numeric "
+        "explanation in the verifier's dtype agree with plain decoding in float32.",
+        "",
+    ]
 
 
 def _or_dash(value: Any) -> str:

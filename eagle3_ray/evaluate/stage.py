@@ -32,7 +32,7 @@ from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.evaluate import gate, identity, report
-from eagle3_ray.evaluate.engine import SPEC_COUNTERS, EngineBench, add_per_position
+from eagle3_ray.evaluate.engine import SPEC_COUNTERS, EngineBench, add_per_position, waves
 from eagle3_ray.evaluate.engine import local_engine_args as local_engine_args  # the stage's public name too
 from eagle3_ray.generate.engine import with_cpu_rotary_fix
 from eagle3_ray.ingest import sources
@@ -360,7 +360,7 @@ def measure_all(
     labels = [{"prompt": prompts[i % n]["id"], "turn": 1 + i // n} for i in range(len(all_prompts))]
     rows = [report.baseline_row(c, run) for c, run in base.items()]
     tie = identity.TIE_MARGIN_NATS[cfg.verifier.dtype]
-    infos, contract_runs = {}, {}
+    infos, contract_runs, measured = {}, {}, []
     for k in cfg.evaluate.num_speculative_tokens:
         args = engine_args(cfg, verifier_dir, drafter_dir, k)
         spec = run_engine(cfg, args, all_prompts, prompts, turns=turns, contract_prompts=contract_prompts)
@@ -372,13 +372,15 @@ def measure_all(
             ref = base[c]["reference"]
             others = [base[o]["reference"]["outputs"] for o in base if o != c]
             items = identity.compare(run["outputs"], ref["outputs"], others, ref["margins"], tie_margin_nats=tie)
-            rows.append(report.spec_row(k, c, run, base[c], base[min(base)], items, labels))
+            measured.append((k, c, run, items))
         log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
     if cfg.evaluate.baseline_again:  # the same plain engine again: did the machine's speed move meanwhile?
         with engine_actor(cfg, engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
             again = measure_levels(cfg, actor, all_prompts, prompts, turns=turns)
         for row in (r for r in rows if not r["num_speculative_tokens"]):
             report.add_baseline_again(row, again[row["concurrency"]])
+    rechecked = fp32_recheck(cfg, verifier_dir, drafter_dir, all_prompts, prompts, turns, measured)
+    rows += [report.spec_row(k, c, run, base[c], base[min(base)], items, labels) for k, c, run, items in measured]
     aux_ids = {k: info["aux_layer_ids"] for k, info in infos.items()}
     check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos, contract_runs)
     for item in (c for c in check if c["message"] and c["predicted_acceptance_length"] is not None):
@@ -391,12 +393,63 @@ def measure_all(
         "vllm_aux_layer_ids": aux_ids,
         "predicted_vs_measured": check,
         "numerics_tie_margin_nats": tie,
+        "fp32_recheck": rechecked,
         "plain_noise_floor": {
             "concurrency": [min(base), max(base)],
             "num_outputs": len(all_prompts),
             "differing": [{**labels[d["index"]], **d} for d in floor],
         },
     }
+
+
+def fp32_recheck(
+    cfg: Config,
+    verifier_dir: str,
+    drafter_dir: str,
+    all_prompts: list[list[int]],
+    prompts: list[dict[str, Any]],
+    turns: tuple[int, ...],
+    measured: list[tuple[int, int, dict[str, Any], list[dict[str, Any]]]],
+) -> dict[str, Any] | None:
+    """`evaluate.fp32_recheck`: the waves holding outputs classed `drafter` (`measured`: k, concurrency, run, identity
+    items) decoded again with the verifier in float32, plain and with the drafter, each wave as it was batched; the
+    items are reclassed in place (identity.recheck). Returns what was rechecked, or None where nothing was. A recheck
+    that cannot run (the float32 engine does not start, say) leaves the classes as they are, with its error."""
+    import ray
+
+    flagged = {(k, c, i) for k, c, _, items in measured for i, item in enumerate(items) if item["class"] == "drafter"}
+    if not flagged or not cfg.evaluate.fp32_recheck or cfg.verifier.dtype == "float32":
+        return None
+    ks, levels = sorted({k for k, _, _ in flagged}), sorted({c for _, c, _ in flagged})
+    wave_groups = {  # per concurrency, every wave that holds a flagged output, as its own group of one wave
+        c: [
+            {"turn": g["turn"], "category": None, "indices": wave}
+            for g in level_groups(prompts, c, turns)
+            for wave in waves(g["indices"], c)
+            if any((k, c, i) in flagged for k in ks for i in wave)
+        ]
+        for c in levels
+    }
+    log(STAGE, "fp32_recheck", outputs=len(flagged), concurrency=levels, num_speculative_tokens=ks)
+    try:
+        outputs = {}
+        for k in [0, *ks]:
+            args = {**engine_args(cfg, verifier_dir, drafter_dir if k else None, k), "dtype": "float32"}
+            with engine_actor(cfg, args) as (actor, _):
+                for c in levels:
+                    run = ray.get(actor.measure.remote(all_prompts, c, cfg.evaluate.max_tokens, wave_groups[c]))
+                    outputs[k, c] = run["outputs"]
+    except Exception as e:  # a diagnostic: the classes stand as measured, and the report says why
+        log(STAGE, "fp32_recheck_failed", error=f"{type(e).__name__}: {e}")
+        return {"outputs": len(flagged), "error": f"{type(e).__name__}: {e}"}
+    agree = 0
+    for k, c, _, items in measured:
+        for i, item in enumerate(items):
+            if (k, c, i) in flagged:
+                items[i] = identity.recheck(item, outputs[0, c][i], outputs[k, c][i])
+                agree += items[i]["class"] == "numerics_fp32"
+    log(STAGE, "fp32_recheck_done", outputs=len(flagged), agree_in_fp32=agree)
+    return {"outputs": len(flagged), "agree_in_fp32": agree}
 
 
 def check_serving_vllm(drafter_dir: str, capture: dict[str, Any]) -> None:

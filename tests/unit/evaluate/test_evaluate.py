@@ -172,14 +172,14 @@ def test_report_and_summary_name_the_fastest_k_per_concurrency_and_the_identity_
     md = report.markdown(results)
     assert "| concurrency | fastest k | speedup | mean acceptance length |" in md
     assert "| 1 | 3 | 1.60x | 2.200 |" in md and "| 4 | 1 | 1.10x | 1.400 |" in md
-    assert "| 3 | 1 | 100.0 | 160.0 | 1.60x | 0.400 | 2.200 | 0.500, 0.300, 0.100 | 7 / 0 / 1 / 0 |" in md
+    assert "| 3 | 1 | 100.0 | 160.0 | 1.60x | 0.400 | 2.200 | 0.500, 0.300, 0.100 | 7 / 0 / 1 / 0 / 0 |" in md
     assert "| 3 | 1 | `p3` | 1 | numerics_tie | 17 | - | 0.012 |" in md
     assert (
         "plain decoding at concurrency 1 vs 4 differs on 2 of 8 outputs (top-2 margins at the flip: 0.030, 0.200)" in md
     )
     table = report.summary_table(results)
     assert "fastest k: c=1 k=3 (1.60x), c=4 k=1 (1.10x); one k for every load: 1" in table
-    assert "7/0/1/0" in table and table.splitlines()[-1] == "deploy gate: PASS (at the fastest k per concurrency)"
+    assert "7/0/1/0/0" in table and table.splitlines()[-1] == "deploy gate: PASS (at the fastest k per concurrency)"
 
 
 def test_the_validation_prompts_are_the_first_of_the_splits_ids_up_to_the_first_user_turn(tmp_path):

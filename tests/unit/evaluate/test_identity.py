@@ -68,8 +68,24 @@ def test_compare_and_counts_name_every_class():
     margins = [WIDE, WIDE, WIDE, [2.0, 2.0, 0.01, 2.0, 2.0]]
     items = identity.compare(spec, plain, [other], margins, tie_margin_nats=BF16)
     assert [i["class"] for i in items] == ["identical", "batch_numerics", "drafter", "numerics_tie"]
-    assert identity.counts(items) == {"identical": 1, "batch_numerics": 1, "numerics_tie": 1, "drafter": 1}
+    assert identity.counts(items) == {
+        "identical": 1,
+        "batch_numerics": 1,
+        "numerics_tie": 1,
+        "numerics_fp32": 0,
+        "drafter": 1,
+    }
     assert identity.counts([]) == dict.fromkeys(identity.CLASSES, 0)
+
+
+def test_a_drafter_output_whose_float32_decodes_agree_is_numerics_and_one_that_still_differs_stays_drafter():
+    flagged = classify([5, 3, 3, 3, 3], PLAIN, [], WIDE)
+    assert flagged["class"] == "drafter"
+    agreed = identity.recheck(flagged, [9, 9, 8], [9, 9, 8])
+    assert agreed["class"] == "numerics_fp32" and agreed["fp32_first_diff_token"] is None
+    assert agreed["first_diff_token"] == flagged["first_diff_token"] == 1  # the bf16 finding stays on record
+    still = identity.recheck(flagged, [9, 9, 8], [9, 7, 8])
+    assert still["class"] == "drafter" and still["fp32_first_diff_token"] == 1
 
 
 def test_top2_margin_is_the_gap_between_the_two_most_likely_tokens():
