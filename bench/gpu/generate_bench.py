@@ -331,7 +331,9 @@ def run_child(args, mode: str, out_len: int) -> dict:
     cmd = [sys.executable, __file__, *sys.argv[1:], "--child", f"{mode}:{out_len}"]
     # the child's whole log (engine, Ray Data, the stage's unit_committed lines), written as it runs, beside the
     # results (a call cut short keeps it)
-    log = Path(args.out or os.path.join(args.work, "out")).with_name(f"generate_bench-{mode}-{out_len}.log")
+    # no `@` in the name (stage_generate@forward -> stage_generate-forward): files so named do not leave the GPU machine
+    name = mode.replace("@", "-")
+    log = Path(args.out or os.path.join(args.work, "out")).with_name(f"generate_bench-{name}-{out_len}.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
