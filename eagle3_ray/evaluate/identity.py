@@ -85,9 +85,10 @@ def classify(
 def recheck(item: dict[str, Any], plain_fp32: list[int], spec_fp32: list[int]) -> dict[str, Any]:
     """A `drafter` item after its wave was decoded again with the verifier in float32, plain (`plain_fp32`) and with
     the drafter (`spec_fp32`): `numerics_fp32` where the two agree, else still `drafter`; `fp32_first_diff_token`
-    says where they part in float32 (None: they agree)."""
+    says where they part in float32 (None: they agree), `fp32_tokens` how many tokens plain decoding gave there."""
     first = first_difference(spec_fp32, plain_fp32)
-    return {**item, "class": "drafter" if first is not None else "numerics_fp32", "fp32_first_diff_token": first}
+    cls = "drafter" if first is not None else "numerics_fp32"
+    return {**item, "class": cls, "fp32_first_diff_token": first, "fp32_tokens": len(plain_fp32)}
 
 
 def compare(

@@ -164,8 +164,8 @@ def _plan(cfg: Config, ingest_dir: str, verifier_path: str):
     validation prompt's sampled responses (data.split_role `held_out`) are counted, not generated."""
     rows = with_responses(storage.read_parquet(storage.join(ingest_dir, "conversations.parquet")), cfg).to_pylist()
     rows = rows[: cfg.train.online_max_samples]
-    num_held_out = sum(data.split_role(r["id"], cfg) == "held_out" for r in rows)
-    rows = [r for r in rows if data.split_role(r["id"], cfg) != "held_out"]
+    kept = [r for r in rows if data.split_role(r["id"], cfg) != "held_out"]
+    num_held_out, rows = len(rows) - len(kept), kept
     encoder = chat_encoder(verifier_path, cfg)
     rows = with_prefill_ids(rows, cfg, encoder)
     costs = [sample_cost(r, cfg, encoder) for r in rows]

@@ -123,7 +123,9 @@ def test_an_unexplained_difference_is_decoded_again_in_float32_where_the_drafter
     drafter = trained["results"]["drafter_dir"]
     got = evaluate.fp32_recheck(cfg, tiny_llama, drafter, token_prompts, prompts, (1,), measured)
     assert got == {"outputs": 1, "agree_in_fp32": 1}
+    fp32_tokens = items[5].pop("fp32_tokens")
     assert items[5] == {"class": "numerics_fp32", "first_diff_token": 7, "fp32_first_diff_token": None}
+    assert 0 < fp32_tokens <= cfg.evaluate.max_tokens  # the wave was decoded in float32
     assert [item["class"] for i, item in enumerate(items) if i != 5] == ["identical"] * 7
     off = make_cfg(trained["run_dir"], tiny_llama, fp32_recheck=False)
     unchecked = [(3, 4, {}, [{"class": "drafter", "first_diff_token": 7}] * len(prompts))]

@@ -83,6 +83,7 @@ def test_a_drafter_output_whose_float32_decodes_agree_is_numerics_and_one_that_s
     assert flagged["class"] == "drafter"
     agreed = identity.recheck(flagged, [9, 9, 8], [9, 9, 8])
     assert agreed["class"] == "numerics_fp32" and agreed["fp32_first_diff_token"] is None
+    assert agreed["fp32_tokens"] == 3
     assert agreed["first_diff_token"] == flagged["first_diff_token"] == 1  # the bf16 finding stays on record
     still = identity.recheck(flagged, [9, 9, 8], [9, 7, 8])
     assert still["class"] == "drafter" and still["fp32_first_diff_token"] == 1
