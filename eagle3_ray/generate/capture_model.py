@@ -105,14 +105,37 @@ class _CaptureMixin:
 
 
 def _hidden_state_cache(**kwargs: Any) -> Any:
-    """vLLM's CacheOnlyAttentionLayer, with padded slots (-1) written to the null block."""
-    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionImpl, CacheOnlyAttentionLayer
+    """vLLM's CacheOnlyAttentionLayer, with padded slots (-1) written to the null block, on a backend that lets vLLM
+    capture whole steps as CUDA graphs.
+
+    vLLM sets an engine's CUDA-graph mode to the least any KV cache group's metadata builder supports, and vLLM's
+    cache-only builder says NEVER, which turns the verifier's full decode graphs into piecewise ones. The write needs
+    nothing a graph cannot replay: it indexes the cache with this step's slot mapping, a slice of the model runner's
+    persistent buffer (padded with -1), and the connector does nothing per layer (it reads finished requests' blocks
+    afterwards). So the builder here says ALWAYS.
+    """
+    from vllm.model_executor.models.extract_hidden_states import (
+        CacheOnlyAttentionBackend,
+        CacheOnlyAttentionImpl,
+        CacheOnlyAttentionLayer,
+        CacheOnlyAttentionMetadataBuilder,
+    )
+    from vllm.v1.attention.backend import AttentionCGSupport
 
     class PaddingSafeImpl(CacheOnlyAttentionImpl):
         def do_kv_cache_update(self, layer, to_cache, kv_cache, slot_mapping):
             super().do_kv_cache_update(layer, to_cache, kv_cache, slot_mapping.clamp_min(0))
 
+    class GraphableBuilder(CacheOnlyAttentionMetadataBuilder):
+        _cudagraph_support = AttentionCGSupport.ALWAYS
+
+    class GraphableBackend(CacheOnlyAttentionBackend):
+        @staticmethod
+        def get_builder_cls() -> type[CacheOnlyAttentionMetadataBuilder]:
+            return GraphableBuilder
+
     layer = CacheOnlyAttentionLayer(**kwargs)
     impl = layer.impl
     layer.impl = PaddingSafeImpl(impl.num_heads, impl.head_size, impl.kv_cache_dtype, impl.kv_cache_torch_dtype)
+    layer.attn_backend = GraphableBackend
     return layer
