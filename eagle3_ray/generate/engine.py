@@ -207,8 +207,18 @@ def prepare_engine_env(cfg: Config) -> None:
     Ray sets OMP_NUM_THREADS to an actor's CPU count when the job did not set it, and vLLM takes any OMP_NUM_THREADS
     as the user's choice: its EngineCore then keeps that many torch threads (their spin-waits take the cores its
     workers compute on) instead of the single thread it picks for serving. So Ray's own default is removed here and
-    vLLM sets its processes' threads itself, as it does outside Ray."""
+    vLLM sets its processes' threads itself, as it does outside Ray.
+
+    vLLM's CPU build keeps cores out of its workers' OpenMP binding for its scheduler process, one per TP rank, and
+    as many again for any engine with a KV connector (for NIXL's prefill/decode transfers; vLLM's
+    utils/ompmultiprocessing.py). The capture connector moves nothing between engines, so its engines reserve what
+    a plain engine does (`VLLM_CPU_NUM_OF_RESERVED_CPU`; vLLM then logs that this is less than its minimum). On two
+    cores the second reservation left none for the worker, which then ran two OpenMP threads, one on the core where
+    the scheduler process spins: the same matrix products took several times as long, and a capture engine decoded
+    at 0.6-0.8x a plain one."""
     tp = cfg.generate.tensor_parallel_size
+    if _cpu_platform() and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
     if tp > 1 and _cpu_platform() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
     if _omp_threads_from_ray():

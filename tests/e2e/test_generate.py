@@ -198,22 +198,28 @@ def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_pat
 def test_an_engine_actor_leaves_torch_threads_to_vllm_unless_the_job_set_them(tmp_path, ray_session):
     """Ray gives an actor OMP_NUM_THREADS = its CPUs when the job set none; vLLM reads any OMP_NUM_THREADS as the
     user's choice and then keeps that many torch threads in its EngineCore (their spin-waits slowed the CPU engine's
-    decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value."""
+    decode by a quarter in the stage). The engine's environment drops Ray's default and keeps a job's own value.
+    The CPU build's cores reserved for vLLM's scheduler are a plain engine's (one per TP rank), not the two per rank
+    vLLM reserves for any KV connector, which on two cores gave the capture engine's worker a second OpenMP thread
+    on the scheduler's core; a job's own reservation is kept."""
     from eagle3_ray.generate import engine
 
     cfg = generate_cfg(tmp_path, "unused")
+    names = ("OMP_NUM_THREADS", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
     @ray_session.remote(num_cpus=2)
     class Probe:
-        def env(self) -> tuple[str | None, str | None]:
-            before = os.environ.get("OMP_NUM_THREADS")
+        def env(self) -> tuple[tuple[str | None, ...], tuple[str | None, ...]]:
+            before = tuple(os.environ.get(name) for name in names)
             engine.prepare_engine_env(cfg)
-            return before, os.environ.get("OMP_NUM_THREADS")
+            return before, tuple(os.environ.get(name) for name in names)
 
     ray_default = Probe.remote()
-    from_job = Probe.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}).remote()
-    assert ray_session.get(ray_default.env.remote()) == ("2", None)
-    assert ray_session.get(from_job.env.remote()) == ("2", "2")
+    from_job = Probe.options(
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
+    ).remote()
+    assert ray_session.get(ray_default.env.remote()) == (("2", None), (None, "1"))
+    assert ray_session.get(from_job.env.remote()) == (("2", "0"), ("2", "0"))
     for actor in (ray_default, from_job):
         ray_session.kill(actor)
 
