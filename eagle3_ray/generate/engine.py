@@ -217,10 +217,10 @@ def prepare_engine_env(cfg: Config) -> None:
     the scheduler process spins: the same matrix products took several times as long, and a capture engine decoded
     at 0.6-0.8x a plain one."""
     tp = cfg.generate.tensor_parallel_size
-    if _cpu_platform() and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ:
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(tp)
-    if tp > 1 and _cpu_platform() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
+    if _cpu_platform():
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(tp))
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, sorted(os.sched_getaffinity(0)))
     if _omp_threads_from_ray():
         del os.environ["OMP_NUM_THREADS"]
 
