@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs on the H200 machine: a recipe's stages as a job that outlives the call that starts it, and the calls that
+# wait for it. A process in its own session (setsid) runs on until the machine goes back (30 s after the last call
+# ends), so no stage has to fit one call.
+#
+#   E3R_RECIPE=... E3R_OVERRIDES='...' E3R_STAGES=ingest,generate,train,export bash bench/gpu/background.sh start
+#   bash bench/gpu/background.sh wait [seconds]     # each later call, back to back: waits (default 560 s) for the
+#                                                   # job, copies its logs and results into $OUT, prints its events
+#
+# The job's log is /tmp/bg/recipe_<stages>.log, its results (run_checks.sh recipe) in /tmp/bg, its exit status in
+# /tmp/bg/DONE. Do not change the repository's tracked files between the calls: each call copies the working tree
+# again, and the job imports modules as its stages reach them.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bg=/tmp/bg
+case "${1:-}" in
+start)
+    mkdir -p "$bg" && rm -f "$bg/DONE"
+    stages="${E3R_STAGES:?set E3R_STAGES}"
+    log="$bg/recipe_${stages//,/_}.log"
+    # shellcheck disable=SC2016  # expanded by the job's shell
+    setsid nohup bash -c 'date -u +"start %FT%TZ $E3R_STAGES"; OUT=/tmp/bg bash bench/gpu/run_checks.sh recipe;
+        rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
+    echo "started: $stages, log $log"
+    ;;
+wait)
+    end=$(( $(date +%s) + ${2:-560} ))
+    while [ ! -f "$bg/DONE" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    if [ -f "$bg/DONE" ]; then echo "done: $(cat "$bg/DONE")"; else echo "still running"; fi
+    cp -r "$bg/." "${OUT:-/tmp/e3r_out}/" 2>/dev/null
+    for log in "$bg"/recipe_*.log; do
+        echo "== $log"
+        grep -a "\[eagle3\|Error\|start 20\|end 20" "$log" | grep -av "progress\|heartbeat\| train step=" | tail -25
+    done
+    ;;
+*)
+    echo "usage: $0 start|wait [seconds]" >&2; exit 2 ;;
+esac
