@@ -162,6 +162,12 @@ class GenerateConfig:
     without end: a failure that repeats on the same work (out of memory) would otherwise restart the engine forever.
     Every unit in flight counts a death, so one engine death costs each of them an attempt. The counts hold within
     one run of the stage: a resubmitted job starts afresh."""
+    reserve_shard_pages: bool | None = field(default=None, metadata=NOT_IN_VERSION)
+    """Allocate a local shard's pages (posix_fallocate, on a background thread) when its unit starts, so that the
+    captures are later only copied into it: on tmpfs a write into unallocated pages allocates and zeroes them on
+    the writing thread (shards.StreamedShard.reserve). A generate unit's shards reserve its token budget's bytes,
+    which the unit may not fill (finish() gives the rest back). None: on where the engines run on GPUs, off on CPU
+    engines, whose cores the zeroing would take from the engine."""
     capture_gather_bytes: int = field(default=256 << 20, metadata=NOT_IN_VERSION)
     """Most bytes of token rows the connector gathers from the hidden-state cache at once: the samples an engine step
     finishes are gathered, encoded and their norms taken in groups of about this size (a larger sample alone). That

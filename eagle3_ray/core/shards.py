@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import torch
@@ -252,7 +253,7 @@ class StreamedShard:
         metadata: dict[str, str] | None = None,
         header_at_finish: bool = False,
     ):
-        self.metadata, self.finished = metadata, False
+        self.metadata, self.finished, self._reserving = metadata, False, None
         header, payload_ranges = safetensors_header(layout, metadata)
         self.payload_start = len(header)
         # each tensor's [begin, end) in the file (a planned shard's; an open shard's come from stream_target)
@@ -276,6 +277,33 @@ class StreamedShard:
     ) -> StreamedShard:
         return cls(uri, capacity, metadata, header_at_finish=True)
 
+    def reserve_in_background(self, num_bytes: int | None = None) -> None:
+        """reserve() on a thread of this process's reservation pool; finish() and abort() wait for it first (a
+        reservation after finish() would lengthen the finished file)."""
+        self._reserving = _reserve_pool().submit(self.reserve, num_bytes)
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.result()
+            self._reserving = None
+
+    def reserve(self, num_bytes: int | None = None) -> None:
+        """Allocate the file's payload pages now (posix_fallocate of `num_bytes` from the payload's start; a planned
+        shard's whole payload by default), so that the writes of its samples later only copy. On tmpfs (/dev/shm, a
+        run's scratch) a write into a page not yet allocated faults, allocates and zeroes it on the writer's
+        thread: on an H200 machine the stage's last decode step's 1.96 GB of 8B-shaped captures reached their
+        shards at about 4 GB/s that way, with 4 writer threads or 16. Data already written is kept; finish()
+        truncates what the samples did not fill."""
+        if num_bytes is None:
+            num_bytes = self.size - self.payload_start
+        if num_bytes <= 0:
+            return
+        fd = os.open(self.tmp, os.O_WRONLY)
+        try:
+            os.posix_fallocate(fd, self.payload_start, num_bytes)
+        finally:
+            os.close(fd)
+
     def ranges(self, names) -> dict[str, list[int]]:
         """[begin, end) file offsets of these tensors (a planned shard's)."""
         return {name: self.file_ranges[name] for name in names}
@@ -283,6 +311,7 @@ class StreamedShard:
     def finish(self, layout: list[tuple[str, torch.dtype, list[int]]] | None = None) -> int:
         """An open shard's `layout` (its samples' tensors in payload order) becomes its header, in the room kept
         for it; the file ends where that payload does."""
+        self._wait_reserved()
         if layout is not None:
             header, payload_ranges = safetensors_header(layout, self.metadata, size=self.payload_start)
             self.size = self.payload_start + max((e for _, e in payload_ranges.values()), default=0)
@@ -300,9 +329,26 @@ class StreamedShard:
 
     def abort(self) -> None:
         """Remove the file, finished (its unit failed after it was moved into place) or not."""
+        try:
+            self._wait_reserved()
+        except OSError:
+            pass  # the file goes anyway
         for path in (self.tmp, self.path) if self.finished else (self.tmp,):
             if os.path.exists(path):
                 os.remove(path)
+
+
+_RESERVE_LOCK = threading.Lock()
+_reserve_executor: ThreadPoolExecutor | None = None
+
+
+def _reserve_pool() -> ThreadPoolExecutor:
+    """Two threads per process for StreamedShard.reserve_in_background (made at first use)."""
+    global _reserve_executor
+    with _RESERVE_LOCK:
+        if _reserve_executor is None:
+            _reserve_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-reserve")
+        return _reserve_executor
 
 
 def write_at(path: str, tensors: dict[str, torch.Tensor], ranges: dict[str, list[int]]) -> None:

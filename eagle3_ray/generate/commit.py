@@ -313,6 +313,15 @@ def shard_names(unit_id: str, num_shards: int) -> list[str]:
     return [f"{unit_id}-{j:04d}.safetensors" for j in range(num_shards)]
 
 
+def reserve_pages(cfg: Config, files: list, num_bytes: int | None = None) -> None:
+    """generate.reserve_shard_pages: each local shard's payload pages (`num_bytes` of each, a planned shard's
+    whole payload by default) allocated on a background thread (shards.StreamedShard.reserve_in_background)."""
+    gen = cfg.generate
+    if gen.reserve_shard_pages if gen.reserve_shard_pages is not None else gen.num_gpus_per_worker > 0:
+        for f in files:
+            f.reserve_in_background(num_bytes)
+
+
 class ShardPlan:
     """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
     made (`_num_captured`), so the samples are grouped by their stored bytes up front, round-robin over the unit's
@@ -347,6 +356,7 @@ class ShardPlan:
             if self.streamed
             else []
         )
+        reserve_pages(sink.cfg, self.files)
         self.left = [len(g) for g in groups]  # samples of each shard not yet prepared
         self.written: dict[str, int] = {}
         self.error: BaseException | None = None
@@ -452,6 +462,7 @@ class ShardStream:
             shards.StreamedShard.open(sink.shard_uri(name), capacity, metadata={"unit_id": unit_id})
             for name in self.names
         ]
+        reserve_pages(sink.cfg, self.files, -(-budget // len(self.files)))
         self.placed: list[tuple[int, int, Any]] = []  # (shard index, payload offset, conversation)
         self.written: dict[str, int] = {}
         self.error: BaseException | None = None

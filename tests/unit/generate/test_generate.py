@@ -264,6 +264,8 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
         assert shards.tensor_bytes(tensors) == shards.layout_bytes(layouts[k])
     uri = str(tmp_path / "shards" / "u-0000.safetensors")
     shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
+    shard.reserve()  # its payload's pages allocated before any write (generate.reserve_shard_pages)
+    assert os.stat(shard.tmp).st_blocks * 512 >= shard.size - shard.payload_start
     with pytest.raises(ValueError, match="its place in the shard"):
         shards.write_at(shard.tmp, {"s1.hs": encoded["s0"]["s0.hs"]}, shard.ranges(["s1.hs"]))  # s0's, at s1's
     for k in ["s2", "s0", "s1"]:  # the connector's threads finish in any order
@@ -483,14 +485,17 @@ class _Conv:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("bad", [False, True])
-def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path, dtype, bad):
+@pytest.mark.parametrize("reserve", [False, True])
+def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path, dtype, bad, reserve):
     """A generate unit through the actor's real writer threads: its open shards exist before any request, each
     finished sample gets the next free bytes of the emptiest one where vLLM's connector places it
     (shards.stream_target, in the order requests finish, T known only then) and is written there as the connector
     writes it; the commit writes each shard's header from the places: every shard is a safetensors file holding
     exactly its samples' stored tensors, within a sample of shard_max_bytes, read back by the training reader, an
     unused shard is removed and the part file's rows name their shards. A sample failing the capture check fails
-    the commit and no temp or partial shard remains."""
+    the commit and no temp or partial shard remains. With generate.reserve_shard_pages each open shard's share of
+    the unit's token budget is allocated on a background thread first, and the shards still end where their
+    samples do."""
     import asyncio
     import random
 
@@ -499,7 +504,14 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
 
     lengths = [9, 3, 7, 1, 5, 8]
     row_bytes = 4 * 16 * (1 if dtype == "fp8" else 2) + (4 if dtype == "fp8" else 0)  # one token's stored bytes
-    cfg = generate_cfg(tmp_path, "unused", shard_max_bytes=30 * row_bytes, writer_threads=3, hidden_states_dtype=dtype)
+    cfg = generate_cfg(
+        tmp_path,
+        "unused",
+        shard_max_bytes=30 * row_bytes,
+        writer_threads=3,
+        hidden_states_dtype=dtype,
+        reserve_shard_pages=reserve,
+    )
     sink = commit.ShardSink(cfg, str(tmp_path / "gen"), [1, 3, 4, 6])
     hidden = {f"s{i}": torch.randn(t, 4, 16).to(torch.bfloat16) for i, t in enumerate(lengths)}  # shape: [T, L, H]
     if bad:
@@ -508,6 +520,11 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     stream = commit.ShardStream(sink, "u", convs, hidden_size=16, num_tokens=4 * 30)  # the unit's token budget
     shards_dir = tmp_path / "gen" / "shards"
     assert len(list(shards_dir.glob("u-000?.safetensors.tmp-*"))) == 4 == len(stream.names)  # before any request
+    for f in stream.files:
+        f._wait_reserved()
+        reserved = -(-4 * 30 * row_bytes // 4) if reserve else 0  # the budget's share of each shard
+        assert os.stat(f.tmp).st_size == f.payload_start + reserved
+        assert os.stat(f.tmp).st_blocks * 512 >= reserved
     used: dict[str, int] = {}  # the connector's (scheduler side)
     finish_order = random.Random(0).sample(convs, len(convs))
     for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/generate/connector.py)
