@@ -8,6 +8,8 @@ Prompts: the first turn (system + user) of `tiny_prompts` (the 200 builtin promp
 path generates exactly `out_len` tokens per prompt. Each measurement runs in a fresh process (one engine alive at a
 time) and prints one `RESULT {json}` line:
   plain           vllm.LLM.generate, all prompts in one call, no capture
+  plain_async     the plain engine as the stage drives it: vLLM's AsyncLLM (engine_loop.start_async_engine) fed
+                  every prompt at once through the stage's RequestLoop, in this process, no Ray
   capture         the same engine + extract_hidden_states + the project's connector (include_output_tokens), one call,
                   its per-request files where the stage's go (engine.scratch_dir: /dev/shm when it has room)
   prefill         connector-level capture (max_tokens=1) of exactly the token ids stage_capture_only prefills: the
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
 from eagle3_ray.core.config import apply_overrides, config_from_dict, load_config  # noqa: E402
@@ -142,7 +145,8 @@ def engine_child(args, mode: str, out_len: int) -> dict:
     cfg = make_cfg(args, args.work, "generate", out_len)
     contract = capture_contract(cfg, args.model)
     scratch = scratch_dir(cfg, f"bench-{mode}")  # where the stage's engine writes: /dev/shm when it has room
-    llm = LLM(**engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=mode != "plain"))
+    kwargs = engine_kwargs(cfg, args.model, contract["layer_ids"], scratch, capture=not mode.startswith("plain"))
+    llm = async_generate(kwargs) if mode == "plain_async" else LLM(**kwargs)
     start_s = time.perf_counter() - t0
     _, prompts = prompt_ids(args)
     if mode == "prefill":  # the ids stage_capture_only sends for these conversations
@@ -156,14 +160,14 @@ def engine_child(args, mode: str, out_len: int) -> dict:
             temperature=0.0,
             max_tokens=1 if mode == "prefill" else out_len,
             ignore_eos=mode != "prefill",
-            extra_args=None if mode == "plain" else extra,
+            extra_args=None if mode.startswith("plain") else extra,
         )
         for extra in capture
     ]
     t0, started = time.perf_counter(), time.time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     generate_s = time.perf_counter() - t0  # the last request is out; its capture file may still be on its way
-    num_bytes = 0 if mode == "plain" else files_complete(paths)
+    num_bytes = 0 if mode.startswith("plain") else files_complete(paths)
     wall_s = time.perf_counter() - t0
     cpu = {"cpu_cores": args.sampler.cores(started, time.time())} if args.sampler else {}
     out_tokens = 0 if mode == "prefill" else sum(len(o.outputs[0].token_ids) for o in outs)
@@ -187,6 +191,35 @@ def engine_child(args, mode: str, out_len: int) -> dict:
         "tokens_per_s": (prompt_tokens + out_tokens) / wall_s,
         **cpu,
     }
+
+
+def async_generate(kwargs: dict):
+    """An object with LLM.generate's call for plain_async: the stage's AsyncLLM and RequestLoop
+    (generate/engine_loop.py), every request submitted at once, the outputs back in prompt order."""
+    import threading
+
+    from eagle3_ray.generate.engine_loop import RequestLoop, start_async_engine
+
+    loop = RequestLoop(start_async_engine(kwargs), on_death=lambda error: print(error, flush=True))
+
+    def generate(prompts: list[dict], params: list, use_tqdm: bool = False) -> list:
+        outs: dict[int, object] = {}
+        done = threading.Event()
+
+        def handler(i: int):
+            def on_output(out) -> list:
+                outs[i] = out
+                if len(outs) == len(prompts):
+                    done.set()
+                return []
+
+            return on_output
+
+        loop.submit([(f"r{i}", p, sp, handler(i)) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
+        done.wait()
+        return [outs[i] for i in range(len(prompts))]
+
+    return SimpleNamespace(generate=generate)
 
 
 def files_complete(paths: list[str]) -> int:
@@ -412,6 +445,7 @@ def ratios(results: list[dict], out_len: int) -> dict:
 
     return {
         "capture_vs_plain": ratio("capture", "plain"),
+        "plain_async_vs_plain": ratio("plain_async", "plain"),
         "stage_generate_vs_capture (>= 0.9)": ratio("stage_generate", "capture"),
         "stage_two_pass_vs_stage_generate (>= 1.25 at 2048)": ratio("stage_two_pass", "stage_generate"),
         "stage_two_pass_vs_stage_generate_total_wall": (
