@@ -178,17 +178,7 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
             give_back()
             walls.append(wall)
             devs.append(dev)
-        wall = statistics.median(walls)
-        row = {
-            "row": name,
-            "bytes": total,
-            "wall_s": walls,
-            "device_s": devs,
-            "median_wall_s": wall,
-            "gb_per_s": total / wall / 1e9,
-        }
-        print(json.dumps(row), flush=True)
-        rows_out.append(row)
+        rows_out.append(bench_row(name, total, walls, device_s=devs))
     return rows_out
 
 
@@ -225,18 +215,17 @@ def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_b
                     )
                 walls.append(time.perf_counter() - t0)
                 shard.abort()
-            wall = statistics.median(walls)
-            row = {
-                "row": f"write_{'reserved' if reserve else 'sparse'}_{threads}",
-                "bytes": total,
-                "wall_s": walls,
-                "reserve_s": reserves,
-                "median_wall_s": wall,
-                "gb_per_s": total / wall / 1e9,
-            }
-            print(json.dumps(row), flush=True)
-            rows_out.append(row)
+            name = f"write_{'reserved' if reserve else 'sparse'}_{threads}"
+            rows_out.append(bench_row(name, total, walls, reserve_s=reserves))
     return rows_out
+
+
+def bench_row(name: str, total: int, walls: list[float], **extra) -> dict:
+    """One result row, printed as it is measured: the repeats' walls, their median and its rate."""
+    wall = statistics.median(walls)
+    row = {"row": name, "bytes": total, "wall_s": walls, **extra, "median_wall_s": wall, "gb_per_s": total / wall / 1e9}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":
