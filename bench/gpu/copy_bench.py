@@ -86,8 +86,13 @@ def main() -> None:
 
 
 def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict]:
-    """The device-to-host rows (see the module's docstring)."""
-    from eagle3_ray.generate.connector import CaptureConnector, gather_groups
+    """The device-to-host rows (see the module's docstring); without vLLM installed only those that need no
+    connector (the machine's own copy rates)."""
+    try:
+        from eagle3_ray.generate.connector import CaptureConnector, gather_groups
+    except ImportError as e:
+        print(f"no connector rows: {e}", flush=True)
+        CaptureConnector = None
 
     device = torch.device("cuda")
     blocks_per_sample = -(-args.tokens // args.block_size)
@@ -100,11 +105,12 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
     pageable = torch.empty(flat.shape, dtype=flat.dtype)
     arena = shards.HostArena(args.arena_bytes, pin_memory=True)
     stream = torch.cuda.Stream()
-    fake = SimpleNamespace(_kv_cache=cache, _arena=arena, _block_size=args.block_size)
-    fake._get_copy_stream = lambda: stream
-    fake._host_copy = partial(CaptureConnector._host_copy, fake)
-    slot_mapping = partial(CaptureConnector._slot_mapping, fake)
-    groups = gather_groups([args.tokens] * args.samples, max(1, args.gather_bytes // row_bytes))
+    if CaptureConnector is not None:
+        fake = SimpleNamespace(_kv_cache=cache, _arena=arena, _block_size=args.block_size)
+        fake._get_copy_stream = lambda: stream
+        fake._host_copy = partial(CaptureConnector._host_copy, fake)
+        slot_mapping = partial(CaptureConnector._slot_mapping, fake)
+        groups = gather_groups([args.tokens] * args.samples, max(1, args.gather_bytes // row_bytes))
 
     def one(dst: torch.Tensor):
         with torch.cuda.stream(stream):
@@ -166,8 +172,7 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
         ("pinned_one", partial(one, pinned)),
         ("pageable_one", partial(one, pageable)),
         ("pinned_pieces", pieces),
-        ("gather_encode", gather_encode),
-        ("connector", connector),
+        *([("gather_encode", gather_encode), ("connector", connector)] if CaptureConnector is not None else []),
     ]:
         fn()  # warm-up: kernels, the caching allocators
         torch.cuda.synchronize()
