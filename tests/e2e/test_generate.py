@@ -289,8 +289,11 @@ def _out_dir_while_running(cfg) -> str:
 
 
 def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama):
-    cfg = generate_cfg(tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160)
-    # enough units that a fast machine is still far from done when the first one commits and the engine dies
+    cfg = generate_cfg(
+        tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160, units_in_flight=1
+    )
+    # enough units, one at a time, that a fast machine is still far from done when the first one commits and the
+    # engine dies (with every unit in flight at once they all finish together, and the kill can land after the last)
     table = ingest(cfg, tiny_llama, num_single=24, num_multi=2, long_words=40)
     # vLLM's engine core in a process of its own, as users run it (the suite runs it in-process: conftest.py)
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
