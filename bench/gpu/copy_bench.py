@@ -89,7 +89,7 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
     """The device-to-host rows (see the module's docstring); without vLLM installed only those that need no
     connector (the machine's own copy rates)."""
     try:
-        from eagle3_ray.generate.connector import CaptureConnector, gather_groups
+        from eagle3_ray.generate.connector import CaptureConnector, extract_from_kv_cache, gather_groups
     except ImportError as e:
         print(f"no connector rows: {e}", flush=True)
         CaptureConnector = None
@@ -138,10 +138,6 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
             for group in groups:
                 slots = torch.cat([slot_mapping(block_ids[i])[: args.tokens] for i in group])
                 slots = slots.pin_memory().to(device=device, non_blocking=True)
-                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                    extract_from_kv_cache,
-                )
-
                 shards.planned_rows(extract_from_kv_cache(cache, slots, slots.shape[0]), "bfloat16")
         done = torch.cuda.Event()
         done.record(stream)
