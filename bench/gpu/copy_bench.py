@@ -1,8 +1,10 @@
-"""How fast captured rows come off the device: a bare device-to-host copy against the connector's own path.
+"""How fast captured rows come off the device and into a shard: a bare device-to-host copy against the connector's
+own path, and the shard writes.
 
-The generate stage's tail on the 8B shape at 256 output tokens is the copies of the last steps' captures: 1.96 GB of
-rows reached the host in 0.5-0.65 s after the last decode step (3-4 GB/s). This times, on one GPU, with CUDA events
-and the wall clock, the same bytes moved each way:
+The generate stage's tail on the 8B shape at 256 output tokens came after the last decode step: 1.96 GB of rows
+reached their shards 0.5-0.65 s after it (3-4 GB/s). On an H200 machine the copy off the device took 0.04 s and the
+writes into tmpfs the rest (docs/benchmarks.md, the stage's tail). This times, with CUDA events and the wall clock,
+the same bytes moved each way:
 
 - `pinned_one` / `pageable_one`: one copy of a contiguous device tensor into pinned / pageable host memory;
 - `pinned_pieces`: one copy per sample into pieces of a pinned shards.HostArena (what the connector copies into);
@@ -12,7 +14,10 @@ and the wall clock, the same bytes moved each way:
 - `write_sparse_N` / `write_reserved_N`: the same bytes from pinned host memory into one open shard in `--scratch`
   (shards.StreamedShard.open, shards.write_at, one sample per write) by N threads, as the connector's writer
   threads write them, into pages not yet allocated / allocated first (StreamedShard.reserve, timed on its own as
-  `reserve_s`: the stage does it while the unit decodes).
+  `reserve_s`: the stage does it while the unit decodes);
+- `units_fifo_UxN` / `units_per_file_UxN`: the same bytes as U units, each into its own reserved shard, by vLLM's
+  connector pool of N threads, in unit order: straight into the pool / through shards.PerFileJobs (one file's
+  writes one at a time, files side by side).
 
     python3 bench/gpu/copy_bench.py --out $OUT/copy_bench.json
 
@@ -61,6 +66,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scratch", default="/dev/shm")
     parser.add_argument("--threads", default="4,16", help="writer threads of the write rows")
+    parser.add_argument("--units", type=int, default=4, help="units (one shard each) of the units_* rows")
+    parser.add_argument("--connector-threads", type=int, default=8, help="threads of the units_* rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -218,6 +225,48 @@ def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_b
                 shard.abort()
             name = f"write_{'reserved' if reserve else 'sparse'}_{threads}"
             rows_out.append(bench_row(name, total, walls, reserve_s=reserves))
+    rows_out += unit_write_rows(args, pinned, total, sample_bytes)
+    return rows_out
+
+
+def unit_write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, sample_bytes: int) -> list[dict]:
+    """`units_fifo` / `units_per_file`: the samples as `--units` units, each into its own reserved shard, submitted
+    in unit order to `--connector-threads` threads (vLLM's connector pool) as they are in one engine step: straight
+    into the pool, as the connector did, or through shards.PerFileJobs, as it does."""
+    per_unit = -(-args.samples // args.units)
+    rows_out = []
+    for name in ("units_fifo", "units_per_file"):
+        walls = []
+        for _ in range(args.repeats):
+            files = []
+            for u in range(args.units):
+                count = len(range(u * per_unit, min(args.samples, (u + 1) * per_unit)))
+                layout = [(f"s{i}.hs", torch.bfloat16, [args.tokens, args.layers, args.hidden]) for i in range(count)]
+                files.append(shards.StreamedShard.open(f"{args.scratch}/copy_bench_unit{u}.safetensors", layout))
+                files[-1].reserve(count * sample_bytes)
+
+            def write(i: int, files: list = files) -> None:
+                shard, j = files[i // per_unit], i % per_unit
+                begin = shard.payload_start + j * sample_bytes
+                shards.write_at(
+                    shard.tmp,
+                    {"hs": pinned[i * args.tokens : (i + 1) * args.tokens]},
+                    {"hs": [begin, begin + sample_bytes]},
+                )
+
+            with ThreadPoolExecutor(args.connector_threads) as pool:
+                jobs = shards.PerFileJobs(pool) if name == "units_per_file" else None
+                t0 = time.perf_counter()
+                if jobs is None:
+                    futures = [pool.submit(write, i) for i in range(args.samples)]
+                else:
+                    futures = [jobs.submit(files[i // per_unit].tmp, partial(write, i)) for i in range(args.samples)]
+                for f in futures:
+                    f.result()
+                walls.append(time.perf_counter() - t0)
+            for shard in files:
+                shard.abort()
+        rows_out.append(bench_row(f"{name}_{args.units}x{args.connector_threads}", total, walls))
     return rows_out
 
 

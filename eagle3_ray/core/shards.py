@@ -23,8 +23,9 @@ import struct
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import pyarrow as pa
 import torch
@@ -351,6 +352,52 @@ def _reserve_pool() -> ThreadPoolExecutor:
         if _reserve_executor is None:
             _reserve_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-reserve")
         return _reserve_executor
+
+
+class PerFileJobs:
+    """Jobs on `executor` that write into files: one file's jobs run one after another, in the order submitted,
+    and different files' jobs in parallel. A write into a tmpfs file holds the file's inode lock, so a second
+    thread writing the same file only waits, while jobs for other files queue behind it in a plain pool's FIFO
+    (on 2 CPU cores, 1 GiB by pwrite into one file in /dev/shm took 0.19 s with one thread and 0.21 s with two; into
+    two files with two threads 0.10 s). The connector's writer threads take a step's samples in unit order, each
+    unit's into its own shards: this lets them write the units side by side.
+
+        jobs = PerFileJobs(pool)
+        future = jobs.submit(path, fn)   # a concurrent.futures.Future of fn()
+    """
+
+    def __init__(self, executor: Executor):
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque] = {}
+
+    def submit(self, path: str, fn: Callable[[], object]) -> Future:
+        future: Future = Future()
+        with self._lock:
+            queue = self._queues.get(path)
+            if queue is not None:  # the file's drain is running or queued: it takes this job after the others
+                queue.append((fn, future))
+                return future
+            self._queues[path] = deque([(fn, future)])
+        self._executor.submit(self._drain, path)
+        return future
+
+    def _drain(self, path: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[path]
+                if not queue:
+                    del self._queues[path]
+                    return
+                fn, future = queue.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as e:  # the job's caller gets it through its future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
 
 
 def write_at(path: str, tensors: dict[str, torch.Tensor], ranges: dict[str, list[int]]) -> None:

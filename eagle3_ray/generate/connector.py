@@ -96,6 +96,8 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         super().__init__(_with_capture_layers(vllm_config) if forward else vllm_config, *args, **kwargs)
         self._vllm_config = vllm_config
         self._stream_used: dict[str, int] = {}  # scheduler side: payload bytes given out per open shard file
+        # worker side: a planned sample's write goes to its shard file's queue on the parent's writer threads
+        self._shard_jobs = shards.PerFileJobs(self._executor)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -288,7 +290,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             tensors = {"hidden_states": rows, "token_ids": token_ids}
             future = self._executor.submit(self._write_tensors, tensors, done, pending.filename, lock_fd)
         else:
-            future = self._executor.submit(write_planned)
+            future = self._shard_jobs.submit(pending.shard["file"], write_planned)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))

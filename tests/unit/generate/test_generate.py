@@ -420,6 +420,57 @@ def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
     assert order.index("start huge") > 0  # larger than the budget: it runs, but alone
 
 
+def test_the_connectors_shard_writes_run_one_at_a_time_per_file_and_side_by_side_across_files():
+    """The connector's writer threads take a step's samples in unit order, each unit's into its own shards. A tmpfs
+    write holds the file's inode lock, so in a plain FIFO pool every thread waited on the first unit's shard while
+    the other units' samples queued: shards.PerFileJobs runs one file's jobs in order, one at a time, and the
+    other files' jobs beside them; a failed job fails only its own future."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+    running: dict[str, int] = {}
+    overlaps: list[str] = []
+    order: list[str] = []
+    hold_a = threading.Event()
+
+    def job(path: str, name: str, fail: bool = False):
+        def run():
+            with lock:
+                running[path] = running.get(path, 0) + 1
+                if running[path] > 1:
+                    overlaps.append(name)
+                order.append(name)
+            try:
+                if name == "a0":
+                    assert hold_a.wait(10)
+                else:
+                    time.sleep(0.01)
+                if fail:
+                    raise OSError(f"{name}: disk full")
+                return name
+            finally:
+                with lock:
+                    running[path] -= 1
+
+        return run
+
+    with ThreadPoolExecutor(4) as pool:
+        jobs = shards.PerFileJobs(pool)
+        a = [jobs.submit("a", job("a", f"a{i}", fail=i == 1)) for i in range(4)]
+        b = [jobs.submit("b", job("b", f"b{i}")) for i in range(4)]
+        # file a's first job holds its file: b's jobs all finish meanwhile, a's others wait for it
+        assert [f.result(timeout=10) for f in b] == ["b0", "b1", "b2", "b3"]
+        assert not any(f.done() for f in a[1:])
+        hold_a.set()
+        assert a[0].result(timeout=10) == "a0"
+        with pytest.raises(OSError, match="a1: disk full"):
+            a[1].result(timeout=10)
+        assert [f.result(timeout=10) for f in a[2:]] == ["a2", "a3"]
+    assert overlaps == []
+    assert [n for n in order if n.startswith("a")] == ["a0", "a1", "a2", "a3"]
+    assert [n for n in order if n.startswith("b")] == ["b0", "b1", "b2", "b3"]
+
+
 def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_the_loss_mask(tmp_path, tiny_llama):
     """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
     exactly those ids without templating anything, and the record's loss mask, filled in by a writer thread while the
