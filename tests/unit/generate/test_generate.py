@@ -365,7 +365,7 @@ def test_auto_mode_takes_the_cheaper_mode_by_the_engine_costs_of_the_nearest_mea
 
     # CPU: capture during decode costs little against a plain decode, so one pass at any length
     assert mode(200, 256) == mode(10_000, 2048) == "generate"
-    # GPU, 8B shape, the forward capture (the default): one pass at 0.71x plain costs less than two passes with a
+    # GPU, 8B shape, the forward capture (the default): one pass at 0.85x plain costs less than two passes with a
     # second engine start, even for 9,460 ShareGPT-sized samples x 512 tokens; a larger verifier takes the 8B row
     gpu = {"num_gpus_per_worker": 1}
     assert mode(200, 256, **gpu) == mode(9_460, 512, **gpu) == mode(9_460, 512, kimi, **gpu) == "generate"
