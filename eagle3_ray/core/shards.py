@@ -379,7 +379,15 @@ class PerFileJobs:
                 queue.append((fn, future))
                 return future
             self._queues[path] = deque([(fn, future)])
-        self._executor.submit(self._drain, path)
+        try:
+            self._executor.submit(self._drain, path)
+        except BaseException as e:  # a shut-down executor: no job of this file is left waiting for nothing
+            with self._lock:
+                dropped = self._queues.pop(path, deque())
+            for _, queued in dropped:
+                if queued is not future:
+                    queued.set_exception(e)
+            raise
         return future
 
     def _drain(self, path: str) -> None:

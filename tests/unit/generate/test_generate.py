@@ -469,6 +469,8 @@ def test_the_connectors_shard_writes_run_one_at_a_time_per_file_and_side_by_side
     assert overlaps == []
     assert [n for n in order if n.startswith("a")] == ["a0", "a1", "a2", "a3"]
     assert [n for n in order if n.startswith("b")] == ["b0", "b1", "b2", "b3"]
+    with pytest.raises(RuntimeError, match="shutdown"):  # the pool is shut down: the caller hears it at once
+        jobs.submit("c", job("c", "c0"))
 
 
 def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_the_loss_mask(tmp_path, tiny_llama):
