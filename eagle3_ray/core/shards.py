@@ -378,16 +378,9 @@ class PerFileJobs:
             if queue is not None:  # the file's drain is running or queued: it takes this job after the others
                 queue.append((fn, future))
                 return future
-            self._queues[path] = deque([(fn, future)])
-        try:
+            # under the lock: the drain waits for the queue below, and a shut-down pool raises before there is one
             self._executor.submit(self._drain, path)
-        except BaseException as e:  # a shut-down executor: no job of this file is left waiting for nothing
-            with self._lock:
-                dropped = self._queues.pop(path, deque())
-            for _, queued in dropped:
-                if queued is not future:
-                    queued.set_exception(e)
-            raise
+            self._queues[path] = deque([(fn, future)])
         return future
 
     def _drain(self, path: str) -> None:
