@@ -44,21 +44,27 @@ from eagle3_ray.core import shards, storage, verifiers  # noqa: E402
 from eagle3_ray.core.config import load_config  # noqa: E402
 from eagle3_ray.evaluate import report  # noqa: E402
 from eagle3_ray.evaluate import stage as evaluate  # noqa: E402
-from eagle3_ray.train import export  # noqa: E402
+from eagle3_ray.train import data, export  # noqa: E402
 
 
-def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str) -> dict:
-    """speculators' data format from a generate output, for the samples of our training split (train/split.json: our
-    validation samples stay held out from both drafters) with our draft vocabulary; returns counts. A finished dir
+def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str, cfg) -> dict:
+    """speculators' data format from a generate output, for the samples of our training split (data.split_role under
+    the run's config, which must agree with train/split.json: our validation samples, and the sampled responses of
+    validation prompts, stay held out from both drafters) with our draft vocabulary; returns counts. A finished dir
     (its counts.json) is kept: a later call goes on to training."""
     done = Path(spec_dir, "counts.json")
     if done.exists():
         return json.loads(done.read_text())
     vocab_dir = storage.join(train_dir, "vocab")
-    val_ids = set(storage.read_json(storage.join(train_dir, "split.json"))["val_ids"])
-    manifest = [
-        m for m in pq.read_table(os.path.join(gen_dir, "manifest.parquet")).to_pylist() if m["id"] not in val_ids
-    ]
+    split = storage.read_json(storage.join(train_dir, "split.json"))
+    every = pq.read_table(os.path.join(gen_dir, "manifest.parquet")).to_pylist()
+    manifest = [m for m in every if data.split_role(m["id"], cfg) == "train"]
+    stray = [i for i in split["val_ids"] if data.split_role(i, cfg) != "val"]
+    if stray:
+        raise ValueError(
+            f"{train_dir}: validation sample {stray[0]} (of {len(stray)}) is not a validation sample under the "
+            "config given: pass the run's own overrides"
+        )
     conversations = {r["id"]: r for r in pq.read_table(os.path.join(gen_dir, "conversations.parquet")).to_pylist()}
     os.makedirs(os.path.join(spec_dir, "hidden_states"), exist_ok=True)
     rows, tokens = [], 0
@@ -78,7 +84,12 @@ def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str) -> dict:
     draft_vocab = np.load(os.path.join(vocab_dir, "d2t.npy")).size
     for name in ("d2t", "t2d"):  # the run's own mapping, in the file names speculators_cli_command passes
         Path(spec_dir, f"{name}-{draft_vocab}.npy").write_bytes(Path(vocab_dir, f"{name}.npy").read_bytes())
-    counts = {"samples": len(rows), "held_out": len(val_ids), "tokens": tokens, "draft_vocab_size": draft_vocab}
+    counts = {
+        "samples": len(rows),
+        "held_out": len(every) - len(rows),
+        "tokens": tokens,
+        "draft_vocab_size": draft_vocab,
+    }
     done.write_text(json.dumps(counts))
     return counts
 
@@ -209,7 +220,7 @@ def main() -> None:
         theirs = last_checkpoint(os.path.join(args.work, "speculators_ckpt"))
     elif theirs is None:
         spec_dir = os.path.join(args.work, "spec_data")
-        result["data"] = write_speculators_data(gen_dir, train_dir, spec_dir)
+        result["data"] = write_speculators_data(gen_dir, train_dir, spec_dir, cfg)
         print("RESULT data", json.dumps(result["data"]), flush=True)
         theirs, result["speculators_train_s"] = train_speculators(
             verifier_dir, spec_dir, capture["aux_layer_ids"], result["data"]["draft_vocab_size"], args.epochs, args.work
