@@ -186,7 +186,9 @@ def measure(
                 own_rows.append(rows[-1])
                 print("RESULT", json.dumps(rows[-1]), flush=True)
         metrics = evaluate.training_metrics(drafter_dir) if name == "ours" else {}
-        predictions[name] = evaluate.predicted_vs_measured(metrics, own_rows, infos, contract_runs)
+        predictions[name] = evaluate.predicted_vs_measured(
+            metrics, own_rows, infos, contract_runs, cfg.evaluate.max_tokens
+        )
         print("RESULT prediction", name, json.dumps(predictions[name]), flush=True)
     return rows, predictions
 

@@ -382,7 +382,7 @@ def measure_all(
     rechecked = fp32_recheck(cfg, verifier_dir, drafter_dir, all_prompts, prompts, turns, measured)
     rows += [report.spec_row(k, c, run, base[c], base[min(base)], items, labels) for k, c, run, items in measured]
     aux_ids = {k: info["aux_layer_ids"] for k, info in infos.items()}
-    check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos, contract_runs)
+    check = predicted_vs_measured(training_metrics(drafter_dir), rows, infos, contract_runs, cfg.evaluate.max_tokens)
     for item in (c for c in check if c["message"] and c["predicted_acceptance_length"] is not None):
         log(STAGE, "prediction_gap", num_speculative_tokens=item["num_speculative_tokens"], message=item["message"])
     low, high = base[min(base)]["reference"], base[max(base)]["reference"]
@@ -475,13 +475,24 @@ def predicted_vs_measured(
     rows: list[dict[str, Any]],
     infos: dict[int, dict[str, Any]],
     contract_runs: dict[int, dict[str, Any]] | None = None,
+    max_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """Per draft length: training's replay of vLLM's chain (acceptance.py) next to vLLM's measurement on the
     evaluation prompts and, where `contract_runs` has the draft length (spec counters of the validation split's
     decode), on the prompts the replay was computed on. A shortfall beyond PREDICTION_TOLERANCE on the validation
     prompts, or on the evaluation prompts when there is no validation decode, is flagged as a likely contract problem
     naming what to check (a contract fault lowers acceptance); a shortfall on the evaluation prompts alone is
-    reported as distribution shift, acceptance above the replay as a note."""
+    reported as distribution shift, acceptance above the replay as a note. When the replay covered another number
+    of response tokens than this decode (`max_tokens`: an evaluation run with another evaluate.max_tokens than
+    training's), every message says so first: the two count different windows of each response."""
+    window = metrics.get("val_replay_max_tokens")
+    window_note = None
+    if window is not None and max_tokens is not None and int(window) != max_tokens:
+        window_note = (
+            f"training's replay covered the first {int(window)} response tokens of each validation sample and "
+            f"this evaluation decodes {max_tokens}: estimate and measurement count different windows (train with "
+            f"evaluate.max_tokens={max_tokens} for an estimate of this one)"
+        )
     out = []
     for k, info in infos.items():
         measured, measured_pos = report.measured_acceptance(rows, k)
@@ -515,6 +526,8 @@ def predicted_vs_measured(
             item.update(_validation_verdict(k, predicted, measured, own_len, info))
         elif item["gap"] < -PREDICTION_TOLERANCE:
             item.update(flagged=True, message=_gap_message(k, predicted, measured, info, "the evaluation prompts"))
+        if window_note is not None and predicted is not None:
+            item["message"] = "; ".join(m for m in (f"k={k}: {window_note}", item["message"]) if m)
         out.append(item)
     return out
 

@@ -148,10 +148,13 @@ def batch_replay_counts(
     return replay_counts(draft_tokens, targets, batch["loss_mask"], batch["document_ids"], ks, max_tokens)
 
 
-def summarize(sums: dict[str, float], ks: list[int], prefix: str = "val_") -> dict[str, float]:
+def summarize(
+    sums: dict[str, float], ks: list[int], prefix: str = "val_", max_tokens: int | None = None
+) -> dict[str, float]:
     """Summed `replay_counts` -> mean acceptance length and per-position acceptance per k (vLLM's definitions:
-    1 + accepted / drafts and accepted at position j / drafts)."""
-    out = {}
+    1 + accepted / drafts and accepted at position j / drafts), and the response tokens the replay covered
+    (`max_tokens`, as `<prefix>replay_max_tokens`): evaluate compares the estimate only with a decode of as many."""
+    out = {} if max_tokens is None else {f"{prefix}replay_max_tokens": float(max_tokens)}
     for k in ks:
         drafts = max(sums[f"replay_k{k}_drafts"], 1.0)
         out[f"{prefix}replay_acceptance_length_k{k}"] = 1.0 + sums[f"replay_k{k}_accepted"] / drafts

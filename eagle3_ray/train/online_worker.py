@@ -179,7 +179,7 @@ class OnlineLoop(Loop):
         ks = acceptance.replay_lengths(self.cfg.evaluate.num_speculative_tokens, self.cfg.train.ttt_steps)
         return train_sums, {
             **summarize(val, self.cfg.train.ttt_steps, "val_"),
-            **acceptance.summarize(val, ks),
+            **acceptance.summarize(val, ks, max_tokens=self.cfg.evaluate.max_tokens),
             "val_bad_samples": val["bad_samples"],
         }
 

@@ -633,7 +633,7 @@ class Loop:
         reduced = sums.reduce()
         return {
             **summarize(reduced, self.cfg.train.ttt_steps, "val_"),
-            **acceptance.summarize(reduced, ks),
+            **acceptance.summarize(reduced, ks, max_tokens=tokens),
             **acceptance.diagnostics_summary(reduced, ks),
             "val_bad_samples": reduced["bad_samples"],
         }

@@ -223,6 +223,10 @@ def test_evaluation_measures_acceptance_per_position_on_the_mla_verifier(kimi_ru
         assert len(per_position) == 3 and all(a >= b for a, b in zip(per_position, per_position[1:], strict=False))
         assert row["mean_acceptance_length"] == pytest.approx(1 + sum(per_position))
     assert rows[1]["mean_acceptance_length"] > 1.0  # a trained drafter is accepted some of the time
+    # training's replay covered the response tokens evaluate decodes, so the report compares like with like
+    metrics = kimi_run["summaries"]["export"]["checkpoint"]["metrics"]
+    assert metrics["val_replay_max_tokens"] == kimi_run["results"]["max_tokens"] == 24
+    assert not any("different windows" in (p["message"] or "") for p in kimi_run["results"]["predicted_vs_measured"])
     print("training's replay vs vLLM:", json.dumps(kimi_run["results"]["predicted_vs_measured"]))
 
 

@@ -79,6 +79,26 @@ def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_
     assert "on validation prompts 2.480" in table and "FLAGGED" not in table
 
 
+def test_an_estimate_over_fewer_response_tokens_than_the_decode_says_so_before_any_verdict():
+    """An evaluation run with another evaluate.max_tokens than training's: the replay counted the first 64 tokens of
+    each response, vLLM decoded 256, so the gap is partly the window's."""
+    rows = [spec_row_for(3, 100, [40, 20, 10])]  # 1.70
+    info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
+    close = {"val_replay_acceptance_length_k3": 1.72, "val_replay_max_tokens": 64.0}
+    [same] = evaluate.predicted_vs_measured(close, rows, info, max_tokens=64)
+    assert same["message"] is None and not same["flagged"]
+    [other] = evaluate.predicted_vs_measured(close, rows, info, max_tokens=256)
+    assert not other["flagged"]
+    assert other["message"].startswith("k=3: training's replay covered the first 64 response tokens")
+    assert "this evaluation decodes 256" in other["message"] and "evaluate.max_tokens=256" in other["message"]
+    far_off = {**close, "val_replay_acceptance_length_k3": 2.2}
+    [far] = evaluate.predicted_vs_measured(far_off, rows, info, max_tokens=256)
+    assert far["flagged"] and far["message"].startswith("k=3: training's replay covered the first 64")
+    assert "likely a contract problem" in far["message"]
+    [older] = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info, max_tokens=256)
+    assert older["message"] is None  # a checkpoint from before the window was recorded: nothing to compare
+
+
 def test_gate_fails_when_plain_decoding_moved_between_its_two_passes_and_the_report_shows_both_rates():
     from eagle3_ray.core.config import EvaluateConfig
     from eagle3_ray.evaluate import gate

@@ -99,6 +99,8 @@ def test_summary_uses_vllms_definitions_and_names_the_largest_k():
     assert got["val_replay_acceptance_length_k3"] == 2.5
     assert [got[f"val_replay_acc_k3_{j}"] for j in range(3)] == [1.0, 0.5, 0.0]
     assert got["val_replay_acceptance_length"] == 2.5
+    assert "val_replay_max_tokens" not in got  # no window given: the whole responses
+    assert acceptance.summarize(sums, [1, 3], max_tokens=64)["val_replay_max_tokens"] == 64
 
 
 def test_replay_counts_sum_over_batches_like_the_training_metrics():
