@@ -140,9 +140,11 @@ def last_checkpoint(save_path: str) -> str:
 def measure(
     cfg, verifier_dir: str, drafters: dict[str, str], capture: dict, capture_where: str, gen_dir: str, vocab_dir: str
 ):
-    """Plain decoding once, then every drafter at every k and concurrency on the recipe's evaluate prompts, and on
-    the run's first `evaluate.contract_prompts` validation prompts (the split training's replay estimate was computed
-    on). Returns the rows and, for our drafter, training's prediction next to both measurements."""
+    """Plain decoding, then every drafter (in the order of `drafters`) at every k and concurrency on the recipe's
+    evaluate prompts, and on the run's first `evaluate.contract_prompts` validation prompts (the split training's
+    replay estimate was computed on); with `evaluate.baseline_again`, plain decoding again at the end, into its rows
+    (`tokens_per_s_again`, `baseline_drift`: did the machine's speed move while the drafters ran?). Returns the rows
+    and, for our drafter, training's prediction next to both measurements."""
     from eagle3_ray.core import contract
     from eagle3_ray.core.raycluster import ensure_ray
 
@@ -190,6 +192,12 @@ def measure(
             metrics, own_rows, infos, contract_runs, cfg.evaluate.max_tokens
         )
         print("RESULT prediction", name, json.dumps(predictions[name]), flush=True)
+    if cfg.evaluate.baseline_again:
+        with evaluate.engine_actor(cfg, evaluate.engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
+            again = evaluate.measure_levels(cfg, actor, token_prompts, prompts)
+        for row in (r for r in rows if r["drafter"] is None):
+            report.add_baseline_again(row, again[row["concurrency"]])
+            print("RESULT again", json.dumps(row), flush=True)
     return rows, predictions
 
 
@@ -204,6 +212,11 @@ def main() -> None:
         choices=("all", "train", "measure"),
         default="all",
         help="train: speculators' drafter only; measure: both drafters, speculators' from an earlier train call",
+    )
+    p.add_argument(
+        "--order",
+        default="ours,speculators",
+        help="the order the drafters are measured in (speculators,ours: the other way round)",
     )
     p.add_argument("--work", default="/tmp/parity")
     p.add_argument("--out", required=True)
@@ -233,6 +246,10 @@ def main() -> None:
         return
     theirs = served_copy(theirs, cfg, capture, verifier_dir, os.path.join(args.work, "speculators_served"))
     drafters = {"ours": storage.join(export_dir, "speculators"), "speculators": theirs}
+    order = args.order.split(",")
+    if sorted(order) != sorted(drafters):
+        raise SystemExit(f"--order {args.order}: name each of {sorted(drafters)} once")
+    drafters = {name: drafters[name] for name in order}
     result["drafters"] = drafters
     result["rows"], result["predicted_vs_measured"] = measure(
         cfg, verifier_dir, drafters, capture, capture_where, gen_dir, storage.join(train_dir, "vocab")

@@ -145,11 +145,13 @@ PY
 step_parity() {
     # The recipe run's exported drafter against speculators' own Trainer (its defaults, E3R_PARITY_EPOCHS epochs) on
     # the same captured data and draft vocabulary, both measured by the same vLLM on the recipe's evaluate prompts.
-    # E3R_PARITY_STAGE=train, then =measure: the same in two calls (each under the 10-minute limit).
+    # E3R_PARITY_STAGE=train, then =measure: the same in two calls (each under the 10-minute limit);
+    # E3R_PARITY_ORDER=speculators,ours measures the drafters the other way round.
     local stage="${E3R_PARITY_STAGE:-all}"
     # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
     "$PY" bench/gpu/parity.py "$recipe" --set run.storage_path="$runs" ${E3R_OVERRIDES:-} \
-        --epochs "${E3R_PARITY_EPOCHS:-3}" --stage "$stage" --work /tmp/parity --out "$OUT/parity_$stage.json"
+        --epochs "${E3R_PARITY_EPOCHS:-3}" --stage "$stage" --order "${E3R_PARITY_ORDER:-ours,speculators}" \
+        --work /tmp/parity --out "$OUT/parity_$stage.json"
 }
 
 step_pytest_gpu() {
