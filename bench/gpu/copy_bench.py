@@ -190,6 +190,16 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
     return rows_out
 
 
+def write_sample(
+    args: argparse.Namespace, pinned: torch.Tensor, shard, sample_bytes: int, i: int, slot: int | None = None
+) -> None:
+    """Sample `i` of the pinned rows into `shard`'s payload at `slot` (default: `i`), as the connector writes one."""
+    begin = shard.payload_start + (i if slot is None else slot) * sample_bytes
+    shards.write_at(
+        shard.tmp, {"hs": pinned[i * args.tokens : (i + 1) * args.tokens]}, {"hs": [begin, begin + sample_bytes]}
+    )
+
+
 def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_bytes: int) -> list[dict]:
     """The shard-write rows (see the module's docstring)."""
     rows_out = []
@@ -206,21 +216,7 @@ def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_b
                 reserves.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(threads) as pool:
-                    list(
-                        pool.map(
-                            lambda i, shard=shard: shards.write_at(
-                                shard.tmp,
-                                {"hs": pinned[i * args.tokens : (i + 1) * args.tokens]},
-                                {
-                                    "hs": [
-                                        shard.payload_start + i * sample_bytes,
-                                        shard.payload_start + (i + 1) * sample_bytes,
-                                    ]
-                                },
-                            ),
-                            range(args.samples),
-                        )
-                    )
+                    list(pool.map(partial(write_sample, args, pinned, shard, sample_bytes), range(args.samples)))
                 walls.append(time.perf_counter() - t0)
                 shard.abort()
             name = f"write_{'reserved' if reserve else 'sparse'}_{threads}"
@@ -246,13 +242,7 @@ def unit_write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, 
                 files[-1].reserve(count * sample_bytes)
 
             def write(i: int, files: list = files) -> None:
-                shard, j = files[i // per_unit], i % per_unit
-                begin = shard.payload_start + j * sample_bytes
-                shards.write_at(
-                    shard.tmp,
-                    {"hs": pinned[i * args.tokens : (i + 1) * args.tokens]},
-                    {"hs": [begin, begin + sample_bytes]},
-                )
+                write_sample(args, pinned, files[i // per_unit], sample_bytes, i, i % per_unit)
 
             with ThreadPoolExecutor(args.connector_threads) as pool:
                 jobs = shards.PerFileJobs(pool) if name == "units_per_file" else None
