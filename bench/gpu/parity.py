@@ -192,12 +192,9 @@ def measure(
             metrics, own_rows, infos, contract_runs, cfg.evaluate.max_tokens
         )
         print("RESULT prediction", name, json.dumps(predictions[name]), flush=True)
-    if cfg.evaluate.baseline_again:
-        with evaluate.engine_actor(cfg, evaluate.engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
-            again = evaluate.measure_levels(cfg, actor, token_prompts, prompts)
-        for row in (r for r in rows if r["drafter"] is None):
-            report.add_baseline_again(row, again[row["concurrency"]])
-            print("RESULT again", json.dumps(row), flush=True)
+    evaluate.measure_baseline_again(cfg, verifier_dir, token_prompts, prompts, rows)
+    for row in (r for r in rows if "tokens_per_s_again" in r):
+        print("RESULT again", json.dumps(row), flush=True)
     return rows, predictions
 
 

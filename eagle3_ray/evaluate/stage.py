@@ -265,6 +265,25 @@ def engine_actor(cfg: Config, args: dict[str, Any]) -> Iterator[tuple[Any, dict[
         ray.kill(actor)
 
 
+def measure_baseline_again(
+    cfg: Config,
+    verifier_dir: str,
+    token_prompts: list[list[int]],
+    prompts: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    *,
+    turns: tuple[int, ...] = (1,),
+) -> None:
+    """With `evaluate.baseline_again`, plain decoding measured again after the drafter engines (did the machine's
+    speed move meanwhile?), into the baseline rows of `rows` (report.add_baseline_again)."""
+    if not cfg.evaluate.baseline_again:
+        return
+    with engine_actor(cfg, engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
+        again = measure_levels(cfg, actor, token_prompts, prompts, turns=turns)
+    for row in (r for r in rows if not r["num_speculative_tokens"]):
+        report.add_baseline_again(row, again[row["concurrency"]])
+
+
 def measure_levels(
     cfg: Config,
     actor: Any,
@@ -374,11 +393,7 @@ def measure_all(
             items = identity.compare(run["outputs"], ref["outputs"], others, ref["margins"], tie_margin_nats=tie)
             measured.append((k, c, run, items))
         log(STAGE, "measured", num_speculative_tokens=k, **infos[k])
-    if cfg.evaluate.baseline_again:  # the same plain engine again: did the machine's speed move meanwhile?
-        with engine_actor(cfg, engine_args(cfg, verifier_dir, None, 0)) as (actor, _):
-            again = measure_levels(cfg, actor, all_prompts, prompts, turns=turns)
-        for row in (r for r in rows if not r["num_speculative_tokens"]):
-            report.add_baseline_again(row, again[row["concurrency"]])
+    measure_baseline_again(cfg, verifier_dir, all_prompts, prompts, rows, turns=turns)
     rechecked = fp32_recheck(cfg, verifier_dir, drafter_dir, all_prompts, prompts, turns, measured)
     rows += [report.spec_row(k, c, run, base[c], base[min(base)], items, labels) for k, c, run, items in measured]
     aux_ids = {k: info["aux_layer_ids"] for k, info in infos.items()}
