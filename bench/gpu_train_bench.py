@@ -24,7 +24,7 @@ The verifier dir only needs config.json + embed_tokens / lm_head / norm: that is
 `verifier_name_or_path` (speculators.utils.loading.load_model_layers). An existing dir (e.g. one made by
 bench/gpu/make_verifier.py) is reused. Hidden states are random bf16 [T, 4, 4096] (aux 2, 16, 29 + final 32),
 written from the same tensors in both formats: our generate-stage output (shards + manifest + conversations +
-capture.json, docs/stages.md) and speculators' per-sample `hidden_states/hs_{i}.safetensors` + datasets folder.
+capture.json, docs/design.md) and speculators' per-sample `hidden_states/hs_{i}.safetensors` + datasets folder.
 Ours is timed in-process (one process, no Ray Train: this measures the step, not Ray startup). speculators' Trainer
 runs as its CLI with --epochs 2, --log-freq beyond the run (its profiled steps synchronize the GPU at each phase:
 only its step 0 is profiled, in the warm-up); the timed epoch runs from its "Training epoch 2/2 started" line to its

@@ -4,8 +4,8 @@
 
 Reads the latest ingest output, plans token-bounded work units, streams them through a pool of EngineActor actors
 (one vLLM engine each, many units in flight; two_pass: a plain pool, then a capture pool) and writes
-`generate/{version}/` as docs/stages.md describes. Every unit commits as shards + `parts/{unit}.parquet`; a re-run
-skips committed samples, so a killed job resumes where it stopped.
+`generate/{version}/` as docs/design.md (generate) describes. Every unit commits as shards +
+`parts/{unit}.parquet`; a re-run skips committed samples, so a killed job resumes where it stopped.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Flow: check every input on the driver (exists, readable, has a known column) -> read files as raw rows in Ray Data
 tasks -> normalise and tokenize in an actor pool (one tokenizer per actor) -> the driver streams the results,
 printing progress and failing at once in strict mode -> dedupe by id in source order -> write
-`ingest/{version}/` (layout in docs/stages.md). A finished version is never redone.
+`ingest/{version}/` (layout in docs/design.md, ingest). A finished version is never redone.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training checkpoints: what one epoch's directory holds, how it is restored, and which ones the run keeps.
 
-A checkpoint directory (docs/stages.md, train):
+A checkpoint directory (docs/design.md, train, what it writes):
     config.json          speculators Eagle3 config (verifier path and aux layer ids recorded)
     model.safetensors    trainable weights + d2t/t2d; no embed_tokens, verifier_lm_head, verifier_norm
     optimizer.pt         each optimizer's class name and state, in train.optimizer's order (AdamW; or Muon, AdamW):

@@ -1,7 +1,7 @@
 """Training data for the drafter: the generate stage's shards read lazily, one sample at a time, packed with
 speculators' sampler into the batches its collate function builds. Pure torch + safetensors + pyarrow; no Ray, no vLLM.
 
-A sample as stored (docs/stages.md, generate): hidden states [T, L, H] for input_ids[:T], L = aux layers + final.
+A sample as stored (docs/design.md, generate): hidden states [T, L, H] for input_ids[:T], L = aux layers + final.
 A sample as read here (speculators' BaseDataset layout, before its `shift_batch`):
     input_ids                    [T]         input_ids[:T] of the conversation
     hidden_states                [T, A*H]    aux layers concatenated (A = len(aux_layer_ids))

@@ -5,7 +5,7 @@ written to storage. Used by online.py; rows are read back into tensors by online
 A row: `id` str, `input_ids` int32 [T], `loss_mask` int8 [T], `hs` [T, L, H] holding the stored dtype's bits
 (uint16 for bfloat16, uint8 for fp8, float32 as is; numpy has no bf16/fp8), `scale` [T, L] (fp8 only: shards.py's
 per-token, per-layer scale; else empty), `hs_dtype` the torch dtype name. T covers input_ids[:T] as in
-docs/stages.md (generate).
+docs/design.md (generate, what it writes).
 """
 
 from __future__ import annotations
