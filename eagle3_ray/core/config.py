@@ -130,9 +130,8 @@ class GenerateConfig:
     the model once per pass, one engine resident at a time). `capture_only`: conversations already have responses;
     only capture (a prefill pass). `auto`: `generate` or `two_pass`, whichever costs less by engine costs measured per
     platform (eagle3_ray/generate/mode.py: decode with and without capture, capture prefill, engine start), for the
-    pending samples' prompt and output tokens; the `auto_mode` log line says which and why. On CPUs that is always
-    `generate`; on GPUs `two_pass` once the outputs outweigh the second engine start, and always with
-    `two_pass_overlap`."""
+    pending samples' prompt and output tokens; the `auto_mode` log line says which and why. What it picks per verifier
+    and capture method: docs/design.md (generate, Modes)."""
     two_pass_overlap: bool = field(default=False, metadata=NOT_IN_VERSION)
     """two_pass: run the capture engines beside the plain ones, each unit going on to capture as soon as it is
     regenerated. The capture engines then load while the first pass decodes and capture during it, so the stage no
@@ -151,11 +150,11 @@ class GenerateConfig:
     memory shared among its GPUs, at most half of /dev/shm's free space, at least 1 GiB; the log line
     `capture_budget` says what it chose and from what."""
     pinned_buffer_bytes: int = field(default=2 << 30, metadata=NOT_IN_VERSION)
-    """GPU only: pinned host memory each replica's connector reserves when its engine starts (about 1 s per GB on an
-    H200 machine) for the device-to-host copies of the captures it writes into shards, lent per sample until the
+    """GPU only: pinned host memory each replica's connector reserves when its engine starts (pinning is slow, so
+    it is done once) for the device-to-host copies of the captures it writes into shards, lent per sample until the
     sample is written. A sample that finds it lent out gets fresh pinned memory, whose cudaHostAlloc holds up the
-    engine's next step (1.9 s for the 1.8 GB of captures one decode step finished, 183 requests of 300 tokens of an
-    8B model). 0: always fresh."""
+    engine's next step for as long as pinning its bytes takes: seconds for the captures of a decode step that
+    finishes many long samples. 0: always fresh."""
     max_unit_attempts: int = field(default=3, metadata=NOT_IN_VERSION)
     """A unit that was in flight in this many engines that died fails the stage, naming the unit and the engine's
     error (attempts/ in the output holds the count per unit). Ray restarts a dead engine actor and retries its units
@@ -172,7 +171,7 @@ class GenerateConfig:
     """Most bytes of token rows the connector gathers from the hidden-state cache at once: the samples an engine step
     finishes are gathered, encoded and their norms taken in groups of about this size (a larger sample alone). That
     work takes device memory outside vLLM's gpu_memory_utilization, about three times the bytes gathered: gathering
-    every sample one 8B-shaped step finished at once (15 GB) ran an H100 out of memory."""
+    every sample of a step that finishes many long samples at once can run the device out of memory."""
     writer_threads: int = field(default=4, metadata=NOT_IN_VERSION)
     """Writer threads per replica: they read, check and encode each finished conversation's capture while the engine
     decodes the others, and commit units side by side (shard writes, part files). Their torch work and file writes
@@ -185,16 +184,16 @@ class GenerateConfig:
         default="forward", metadata=NOT_IN_VERSION
     )
     """How a capture engine gets the captured layers' rows; the captures are the same (each checked against
-    transformers on vLLM-CPU and on an H100), the speed is not (docs/benchmarks.md).
+    transformers), the speed is not (docs/benchmarks.md#capture-method).
     `forward` (the default): a plain vLLM engine whose verifier model writes them in its own forward pass
     (eagle3_ray/generate/capture_model.py), so vLLM keeps its defaults, async scheduling and full CUDA graphs
     included. Needs the project installed as a package (its vLLM plugin) and a verifier whose vLLM model serves
-    EAGLE-3. 8B shape on an H100: 0.71x plain vLLM at 256 tokens, 0.85x at 2048.
+    EAGLE-3.
     `extract_hidden_states`: vLLM's speculative method of that name under synchronous scheduling, with a scheduler
     that drops the method's one-token dummy drafts (eagle3_ray/generate/scheduler.py), so each decode step computes
-    one token per request. 0.52x on the same H100 run.
+    one token per request.
     `extract_hidden_states_draft_slot`: the method as vLLM runs it, each decode step also verifying the dummy draft
-    (two tokens per request and the rejection sampler): 0.38x on an H200."""
+    (two tokens per request and the rejection sampler)."""
     max_zero_row_share: float = 0.0
     """Fail the unit when a captured layer has more than this share of all-zero token rows in one sample, naming the
     sample. A real verifier's residual stream is never exactly zero at a token, so the default 0 fails any zero row:
