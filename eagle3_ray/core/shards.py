@@ -148,9 +148,9 @@ def read_header(read_at: Callable[[int, int], bytes]) -> tuple[dict, int, int]:
 class HostArena:
     """Host memory reserved once and lent out in pieces: the connector's device-to-host copies of finished
     requests' captures (pinned, so the copies run asynchronously). Fresh pinned memory costs a cudaHostAlloc on
-    vLLM's worker thread, which holds up the engine's next step: on an H200 machine about 1 s per GB, 1.9 s for the
-    183 requests one decode step finished (torch's pinned cache keeps freed blocks by power-of-two size, so a fresh
-    engine and every new size pays it). First fit over the free ranges, in 4 KiB pages; `take` returns None when no
+    vLLM's worker thread, which holds up the engine's next step for as long as pinning takes, seconds for one decode
+    step's captures (torch's pinned cache keeps freed blocks by power-of-two size, so a fresh engine and every new
+    size pays it). First fit over the free ranges, in 4 KiB pages; `take` returns None when no
     free range is large enough (the caller takes fresh memory then). Safe from any thread."""
 
     PAGE_BYTES = 4096
@@ -292,9 +292,8 @@ class StreamedShard:
         """Allocate the file's payload pages now (posix_fallocate of `num_bytes` from the payload's start; a planned
         shard's whole payload by default), so that the writes of its samples later only copy. On tmpfs (/dev/shm, a
         run's scratch) a write into a page not yet allocated faults, allocates and zeroes it on the writer's
-        thread: on 2 CPU cores 1.95 GB took 0.75 s into such pages and 0.33 s into reserved ones
-        (bench/gpu/copy_bench.py). Data already written is kept; finish() truncates what the samples did not fill.
-        An error (no space left) names the shard."""
+        thread (bench/gpu/copy_bench.py; docs/benchmarks.md#the-stages-tail-shard-writes). Data already written
+        is kept; finish() truncates what the samples did not fill. An error (no space left) names the shard."""
         if num_bytes is None:
             num_bytes = self.size - self.payload_start
         if num_bytes <= 0:
@@ -358,9 +357,8 @@ class PerFileJobs:
     """Jobs on `executor` that write into files: one file's jobs run one after another, in the order submitted,
     and different files' jobs in parallel. A write into a tmpfs file holds the file's inode lock, so a second
     thread writing the same file only waits, while jobs for other files queue behind it in a plain pool's FIFO
-    (on 2 CPU cores, 1 GiB by pwrite into one file in /dev/shm took 0.19 s with one thread and 0.21 s with two; into
-    two files with two threads 0.10 s). The connector's writer threads take a step's samples in unit order, each
-    unit's into its own shards: this lets them write the units side by side.
+    (docs/benchmarks.md#the-stages-tail-shard-writes). The connector's writer threads take a step's samples in
+    unit order, each unit's into its own shards: this lets them write the units side by side.
 
         jobs = PerFileJobs(pool)
         future = jobs.submit(path, fn)   # a concurrent.futures.Future of fn()
@@ -576,8 +574,8 @@ def read_sample(shard_uri: str, key: str, dtype: torch.dtype = torch.float32) ->
 
 # capture_norms' rows at a time on the CPU, in values: under ATen's grain size (32768), so each chunk's reduction runs
 # on the calling thread without an OpenMP team. vLLM's connector runs it in threads of vLLM's CPU worker, whose own
-# OpenMP threads hold the cores for the forward pass: with 1 MB chunks the teams those threads started slowed the
-# stage's decode by 16% (tiny verifier, 2 cores, 1024 output tokens).
+# OpenMP threads hold the cores for the forward pass: teams started from the connector's threads (larger chunks) would
+# contend with them and slow the stage's decode on a few cores.
 NORM_CHUNK_VALUES = (1 << 15) - 1
 
 
@@ -627,8 +625,8 @@ def capture_stats(hidden_states: torch.Tensor) -> dict[str, list]:
 
 def bad_row_counts(hs: torch.Tensor) -> dict[str, list[int]]:
     """`zero_rows` and `nonfinite` per layer of stored hidden states [T, L, H], the two numbers
-    capture_problem reads from capture_stats, from two reductions over the stored dtype (capture_stats's
-    fp32 norms cost 5x more). fp8 bits: |q| == 0 is 0x00, NaN is 0x7f (e4m3fn has no inf; the power-of-two
+    capture_problem reads from capture_stats, from two reductions over the stored dtype (cheaper than
+    capture_stats's fp32 norms). fp8 bits: |q| == 0 is 0x00, NaN is 0x7f (e4m3fn has no inf; the power-of-two
     exponents neither zero nor overflow a value), so a row's maximum of the low 7 bits says both."""
     if hs.dtype == torch.float8_e4m3fn:
         bits = hs.view(torch.uint8)
