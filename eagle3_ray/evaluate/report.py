@@ -18,6 +18,7 @@ The gate's `recommended` (gate.py) names the fastest k at each concurrency.
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 from eagle3_ray.core import storage
@@ -164,11 +165,75 @@ def summary_table(results: dict[str, Any]) -> str:
     lines.append(recommended_line(g))
     lines += drift_lines(results["rows"])
     lines += prediction_lines(results)
-    verdict = "PASS" if g["passed"] else "FAIL"
-    lines.append(
-        f"deploy gate: {verdict} (at the fastest k per concurrency)" + "".join(f"\n  miss: {m}" for m in g["misses"])
-    )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *verdict_lines(results)])
+
+
+def verdict_lines(results: dict[str, Any]) -> list[str]:
+    """What the job ends with, in words: acceptance and speed at the recommended k, where the drafter and the report
+    are, then the gate's verdict and each missed threshold (last, so a failed job's log ends with its reasons)."""
+    g, rows = results["gate"], results["rows"]
+    lines = []
+    for k in sorted({rec["num_speculative_tokens"] for rec in g["recommended"]}):
+        mean_length, per_pos = measured_acceptance(rows, k)
+        lines.append(
+            f"acceptance at k={k}: {mean_length:.2f} tokens per verifier step (1.00 = no draft token kept, "
+            f"{k + 1:.2f} = all {k}); kept per draft position: {', '.join(f'{a:.1%}' for a in per_pos)}"
+        )
+    by_key = {(r["num_speculative_tokens"], r["concurrency"]): r for r in rows}
+    for rec in g["recommended"]:
+        r = by_key[rec["num_speculative_tokens"], rec["concurrency"]]
+        lines.append(
+            f"speedup at {_requests(rec['concurrency'])} (k={rec['num_speculative_tokens']}): {r['speedup']:.2f}x, "
+            f"{r['tokens_per_s']:.1f} against {r['baseline_tokens_per_s']:.1f} output tokens/s without the drafter: "
+            f"{_faster(r['speedup'])}"
+        )
+    lines.append(f"drafter: {results['drafter_dir']}")
+    if "report_dir" in results:
+        lines.append(f"report: {storage.join(results['report_dir'], 'report.md')}")
+    drift_checked = any("baseline_drift" in r for r in rows)
+    return [*lines, *gate_lines(g, results["drafter_dir"], drift_checked=drift_checked)]
+
+
+def _requests(concurrency: int) -> str:
+    return "1 request at a time" if concurrency == 1 else f"{concurrency} concurrent requests"
+
+
+def _faster(speedup: float) -> str:
+    if f"{speedup:.2f}" == "1.00":
+        return "as fast as without it"
+    return f"decoding is {abs(speedup - 1):.0%} {'faster' if speedup > 1 else 'slower'} with it"
+
+
+def gate_lines(g: dict[str, Any], drafter_dir: str, *, drift_checked: bool = False) -> list[str]:
+    """`deploy gate: PASS (what was checked)` and how vLLM serves the drafter, or `deploy gate: FAIL ...` and one
+    `  miss:` line per failed threshold; a FAIL under `evaluate.report_only` says that the job succeeds anyway.
+    `drift_checked`: plain decoding was measured twice (evaluate.baseline_again), so its steadiness was gated."""
+    t = g["thresholds"]
+    if not g["passed"]:
+        head = "deploy gate: FAIL: do not deploy this drafter"
+        if t.get("report_only"):
+            head += " (evaluate.report_only: the verdict is reported and the job still succeeds)"
+        return [head, *(f"  miss: {m}" for m in g["misses"])]
+    checked = [_speed_check(t["min_speedup"])]
+    if t.get("min_acceptance_length") is not None:
+        checked.append(f"acceptance length >= {t['min_acceptance_length']}")
+    if t.get("require_identical_outputs"):
+        checked.append("no greedy output changed by the drafter")
+    if drift_checked and t.get("max_baseline_drift") is not None:
+        checked.append(f"plain decoding's speed steady within {t['max_baseline_drift']:.0%}")
+    spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": g["recommended_num_speculative_tokens"]}
+    return [
+        f"deploy gate: PASS ({'; '.join(checked)})",
+        f"  serve it: vLLM with speculative_config={json.dumps(spec)}",
+    ]
+
+
+def _speed_check(min_speedup: float | dict | None) -> str:
+    if min_speedup is None:
+        return "speed not gated"
+    if isinstance(min_speedup, dict):
+        return ", ".join(f"speedup >= {v} at c={c}" for c, v in sorted(min_speedup.items()))
+    return f"speedup >= {min_speedup} at every concurrency measured"
 
 
 def drift_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -610,7 +610,11 @@ def run(cfg: Config) -> dict[str, Any]:
         lambda out: _measure(cfg, export_dir, prompts, held_out, own, out),
         inputs={"export": export_dir},
     )
-    results = {**storage.read_json(storage.join(summary["path"], "results.json")), "version": summary["version"]}
+    results = {
+        **storage.read_json(storage.join(summary["path"], "results.json")),
+        "version": summary["version"],
+        "report_dir": summary["path"],  # the job's last lines name its report.md
+    }
     results["gate"] = gate.gate(results["rows"], cfg.evaluate)
     report.write(summary["path"], results)
     return _verdict(cfg, results)
