@@ -19,10 +19,9 @@ distribution for x_(i+2) (lm_head(norm(y_(i+1)))).
 
 Hidden states travel in their stored ("wire") dtype, bf16 or fp8 with exponents in `{key}_exp` ([T, A] and [T, 1]),
 from the shard to the training device; `decode` turns them into the training dtype there (on the GPU after the copy),
-so a loader worker moves the stored bytes once and never converts them. Per 8192-token batch of an 8B verifier
-(hidden 4096, 4 layers: 268 MB) one worker used to spend ~300 ms on the capture check's fp32 norms, ~90 ms zeroing a
-fresh batch buffer and ~140 ms copying it into shared memory for the trip to the training process; now the check is
-two bf16 reductions (~60 ms) and the batch is written once, straight into shared memory, padding alone zeroed.
+so a loader worker moves the stored bytes once and never converts them. The capture check is two reductions in the
+stored dtype (not fp32 norms), and a batch is written once, straight into shared memory (BatchRing), padding alone
+zeroed: no fresh buffer to zero and no second copy for the trip to the training process.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def split_role(sample_id: str, cfg: Config) -> str:
     """`train`, `val`, or `held_out`: a validation prompt's sampled responses when generate also decoded its greedy
     one (generate.responses_per_prompt > 1). Validation is greedy there, as serving is: the replay estimate scores
     drafts against the verifier's top token where the row holds it, which a sampled response does only part of the
-    time (72% at the first position on SmolLM2 at temperature 0.7), so sampled rows pull the estimate under vLLM's."""
+    time (`val_diag_agree_0` says how often), so sampled rows pull the estimate under vLLM's."""
     if not is_validation(sample_id, cfg.train.val_fraction):
         return "train"
     n = cfg.generate.responses_per_prompt
@@ -123,7 +122,7 @@ class ShardReader:
     """Tensors read by byte range from safetensors shards on any storage (storage.py): a shard is opened once per
     process and its header parsed once; a read is a view of one tensor's bytes in the memory-mapped file (local) or
     fetches them (a ranged GET on an object store), so a sample costs its own bytes, never the shard's. (pyarrow's
-    read_at on a memory map returns a bytes copy: 0.6 s for 740 MB here; the mapped buffer's slice is a view.)
+    read_at on a memory map returns a bytes copy; the mapped buffer's slice is a view.)
     Safe across DataLoader forks: a process that inherited open files from its parent reopens them."""
 
     def __init__(self) -> None:
@@ -324,8 +323,8 @@ class BatchRing:
     """`slots_per_worker` batch buffers per loader worker in shared memory, made by the training process before its
     workers start (they inherit them) and reused for the loader's lifetime: worker w writes its n-th batch into its
     slot n % slots_per_worker and sends only where the tensors lie; the training process views them in its own
-    mapping of the same pages. So no batch pays for fresh shared memory (page faults: ~130 ms of a worker's ~250 ms
-    per 268 MB batch, and as much again for unmapping and freeing it in the training process, GIL held) or for
+    mapping of the same pages. So no batch pays for fresh shared memory (page faults, about half of a worker's time
+    per batch, and as much again for unmapping and freeing it in the training process, GIL held) or for
     passing file descriptors; each slot's pages are faulted in once, by the one worker that writes it.
 
     Hand-back: `turn[slot]` is the batch number allowed to write the slot; a worker waits for its turn, the
@@ -391,7 +390,7 @@ class BatchRing:
 
 
 def _populate(flat: torch.Tensor) -> None:
-    """Maps a fresh slot's pages writable in one call (MADV_POPULATE_WRITE, Linux 5.14+: ~2.5x cheaper than a
+    """Maps a fresh slot's pages writable in one call (MADV_POPULATE_WRITE, Linux 5.14+: cheaper than a
     fault per page); elsewhere the first write faults them in."""
     try:
         import ctypes
