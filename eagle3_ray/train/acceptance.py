@@ -26,9 +26,8 @@ step, vLLM's mean acceptance length) and `val_replay_acc_k{k}_{j}` (share of dra
 vLLM's per-position acceptance); `val_replay_acceptance_length` is the largest k's.
 
 The replay covers what the evaluate stage decodes: the first `evaluate.max_tokens` response tokens of each document
-(`first_response_tokens`), not every captured one. Acceptance changes along a response: on the SmolLM2 CPU recipe
-(256-token responses, evaluate at 64) the replay over all 256 said 1.369, over the first 64 it says 1.301, and vLLM
-measured 1.299 on the same validation prompts.
+(`first_response_tokens`), not every captured one: acceptance changes along a response, so a replay over whole
+responses would not estimate what vLLM measures over their first tokens.
 """
 
 from __future__ import annotations

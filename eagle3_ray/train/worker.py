@@ -129,7 +129,7 @@ def make_loaders(cfg: Config, args: WorkerArgs, rank: int, world: int, device: t
     with train.use_gpu, else the CPU), one loader iteration through train.epochs; on CUDA its workers pack into
     reused shared-memory buffers (data.RingLoader), which DeviceBatches releases once it has copied a batch into
     pinned memory: prefetch_factor + 1 per worker, one batch ahead per worker from 4 workers on (8 workers: 16
-    buffers, 4.3 GB at 8B / 8192 tokens, no more shared memory than the 16 fresh batches in flight before; a worker
+    buffers, 4.3 GB at 8B / 8192 tokens, no more shared memory than 16 fresh batches in flight would take; a worker
     packs a batch in far less than 4 steps)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.use_gpu else torch.device("cpu")
