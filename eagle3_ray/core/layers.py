@@ -37,7 +37,7 @@ def _served_text_config(config: Any) -> Any:
     `ModelConfig.hf_text_config` its model runner and aux-layer defaults use); for a config.json dict the same rule
     on its keys (the first of TRANSFORMERS_TEXT_CONFIG_KEYS present, else the config itself)."""
     if not isinstance(config, dict):
-        from vllm.transformers_utils.config import get_hf_text_config
+        from eagle3_ray.core.vllm_support import get_hf_text_config
 
         return get_hf_text_config(config)
     return next((config[k] for k in TRANSFORMERS_TEXT_CONFIG_KEYS if config.get(k) is not None), config)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3_ray.core import contract, storage, verifiers
+from eagle3_ray.core import contract, storage, verifiers, vllm_support
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.evaluate import identity
 from eagle3_ray.generate.engine import drafter_attention_env
@@ -36,6 +36,7 @@ class EngineBench:
     def __init__(self, engine_args: dict[str, Any], cfg_dict: dict[str, Any]):
         from vllm import LLM
 
+        vllm_support.check_installed()
         cfg = config_from_dict(cfg_dict)
         # Every engine of the evaluation (with and without the drafter) on this node's attention path: decided
         # here, where the engine runs, before vLLM reads its environment.
@@ -45,7 +46,7 @@ class EngineBench:
 
     def speculative_info(self) -> dict[str, Any]:
         """What the engine resolved for the drafter: its architecture and the verifier layers it feeds it."""
-        ids = contract.vllm_aux_layer_ids(self.llm)
+        ids = vllm_support.eagle3_aux_layer_ids(self.llm)
         spec = self.llm.llm_engine.vllm_config.speculative_config
         return {
             "method": spec.method,
@@ -55,14 +56,14 @@ class EngineBench:
         }
 
     def _spec_counters(self) -> dict[str, Any]:
-        from vllm.v1.metrics.reader import Counter, Vector
+        from eagle3_ray.core.vllm_support import MetricCounter, MetricVector
 
         totals: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS.values()}
         totals["accepted_per_pos"] = []
         for m in self.llm.get_metrics():
-            if isinstance(m, Counter) and m.name in SPEC_COUNTERS:
+            if isinstance(m, MetricCounter) and m.name in SPEC_COUNTERS:
                 totals[SPEC_COUNTERS[m.name]] += m.value
-            elif isinstance(m, Vector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            elif isinstance(m, MetricVector) and m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
                 totals["accepted_per_pos"] = add_per_position(totals["accepted_per_pos"], m.values)
         return totals
 

@@ -66,7 +66,7 @@ class _CaptureMixin:
     forward pass, and the model runner gets the last hidden states alone, as from the plain model."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
-        from vllm.model_executor.models.utils import maybe_prefix
+        from eagle3_ray.core.vllm_support import maybe_prefix
 
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         model_config = vllm_config.model_config
@@ -114,13 +114,13 @@ def _hidden_state_cache(**kwargs: Any) -> Any:
     persistent buffer (padded with -1), and the connector does nothing per layer (it reads finished requests' blocks
     afterwards). So the builder here says ALWAYS.
     """
-    from vllm.model_executor.models.extract_hidden_states import (
+    from eagle3_ray.core.vllm_support import (
+        AttentionCGSupport,
         CacheOnlyAttentionBackend,
         CacheOnlyAttentionImpl,
         CacheOnlyAttentionLayer,
         CacheOnlyAttentionMetadataBuilder,
     )
-    from vllm.v1.attention.backend import AttentionCGSupport
 
     class PaddingSafeImpl(CacheOnlyAttentionImpl):
         def do_kv_cache_update(self, layer, to_cache, kv_cache, slot_mapping):

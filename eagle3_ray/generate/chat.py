@@ -232,7 +232,7 @@ def load_capture(record: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
     [T, num_layers, H] and `token_ids` [T], or, for a sample vLLM's connector wrote into its planned shard, the
     note it left (`token_ids`, `norms` [T, num_layers], `nonfinite` [num_layers]: shards.write_planned_capture).
     The file is deleted once read. The lock is free by now (wait_for_capture), so this only reads."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
+    from eagle3_ray.core.vllm_support import cleanup_hidden_states
 
     if not os.path.exists(path):
         raise RuntimeError(
@@ -256,7 +256,7 @@ def wait_for_capture(path: str) -> None:
 
 def discard_capture(path: str) -> None:
     """Delete an earlier turn's capture once its writer is done: only the final turn's conversation is stored."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import cleanup_hidden_states
+    from eagle3_ray.core.vllm_support import cleanup_hidden_states
 
     wait_for_capture(path)
     cleanup_hidden_states(path)

@@ -37,15 +37,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+
+from eagle3_ray.core import shards
+from eagle3_ray.core.config import GenerateConfig
+from eagle3_ray.core.vllm_support import (
     ExampleHiddenStatesConnector,
     ExampleHiddenStatesConnectorMetadata,
     PendingSave,
     extract_from_kv_cache,
 )
-
-from eagle3_ray.core import shards
-from eagle3_ray.core.config import GenerateConfig
 from eagle3_ray.generate.capture_model import CAPTURE_LAYERS_KEY
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from eagle3_ray.core import storage, telemetry
+from eagle3_ray.core import storage, telemetry, vllm_support
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.core.layers import text_config
 from eagle3_ray.core.verifiers import verifier_dir_on_this_node
@@ -182,7 +182,7 @@ def drafter_attention_env(verifier_path: str, trust_remote_code: bool) -> dict[s
 
 
 def _cpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    from eagle3_ray.core.vllm_support import current_platform
 
     return current_platform.is_cpu()
 
@@ -308,13 +308,16 @@ class EngineActor:
     def __init__(
         self, cfg_dict: dict[str, Any], verifier_path: str, layer_ids: list[int], out_dir: str, kind: str = "generate"
     ):
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.start_time = time.time()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.cfg = config_from_dict(cfg_dict)
         verifier_path = verifier_dir_on_this_node(self.cfg.verifier.path, verifier_path, self.cfg.verifier.dtype)
         self.layer_ids, self.out_dir, self.kind = layer_ids, out_dir, kind
+        trust = self.cfg.verifier.trust_remote_code
+        verifier_config = AutoConfig.from_pretrained(verifier_path, trust_remote_code=trust)
+        vllm_support.check_installed(None if kind == "plain" else self.cfg.generate.capture_method, verifier_config)
         self.scratch = scratch_dir(self.cfg, self.scratch_prefix)
         kwargs = engine_kwargs(self.cfg, verifier_path, layer_ids, self.scratch, capture=kind != "plain")
         self.engine = start_engine(self.cfg, verifier_path, kwargs)

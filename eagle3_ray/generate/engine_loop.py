@@ -36,9 +36,8 @@ def start_async_engine(kwargs: dict[str, Any]):
     max_num_batched_tokens 16384 on an H200, where the engine context would get 2048). Config dicts such as
     `compilation_config` are vLLM's EngineArgs' own business."""
     from vllm import AsyncEngineArgs
-    from vllm.config import KVTransferConfig
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from eagle3_ray.core.vllm_support import AsyncLLM, KVTransferConfig, UsageContext
 
     kwargs = {"disable_log_stats": True, **kwargs}
     if isinstance(kwargs.get("kv_transfer_config"), dict):
@@ -74,7 +73,7 @@ class RequestLoop:
         self.loop.call_soon_threadsafe(self._add, requests)
 
     def _add(self, requests: list[tuple[str, dict, Any, Handler]]) -> None:
-        from vllm.sampling_params import RequestOutputKind
+        from eagle3_ray.core.vllm_support import RequestOutputKind
 
         for request_id, prompt, params, handler in requests:
             params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes

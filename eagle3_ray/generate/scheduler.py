@@ -11,7 +11,7 @@ capture engines): async scheduling reserves draft slots before the drafts exist.
 
 from __future__ import annotations
 
-from vllm.v1.core.sched.scheduler import Scheduler
+from eagle3_ray.core.vllm_support import Scheduler
 
 
 class NoDraftScheduler(Scheduler):

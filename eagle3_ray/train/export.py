@@ -7,8 +7,10 @@ checks the capture/serving contract (contract.py) against the checkpoint's captu
 `export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
 actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
 already has or vLLM does not need. The contract is checked again on the written directory, and against the vLLM that
-will serve it (`export.serving_vllm_version`, default the installed one; contract.SERVING_VLLM): a drafter that
-version would silently misread (vLLM 0.24 drops norm_output) is refused with the fix. summary.json records the
+will serve it (`export.serving_vllm_version`, default the installed one; contract.SERVING_VLLM): the layout is the
+one that vLLM reads right (`export.vllm_compat_layout`, by default the compat layout exactly where that vLLM's loader
+would drop a flag, as vLLM 0.24 drops norm_output), and a layout asked for that it would misread ends the stage with
+one `error:` line naming the fix. summary.json records the
 checkpoint with its validation metrics (the evaluate stage's predicted acceptance) and the vLLM checked against.
 
 What is left out and why (vLLM 0.32 `Eagle3LlamaForCausalLM.load_weights` + `_maybe_share_embeddings`):
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from eagle3_ray.core import contract, stage, storage, verifiers
-from eagle3_ray.core.config import Config, versioned
+from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.telemetry import log
 
 STAGE = "export"
@@ -89,6 +91,14 @@ def export_config(
     if vllm_compat_layout:
         config["transformer_layer_config"].update({f: config[f] for f in contract.DRAFTER_FLAGS if f in config})
     return config
+
+
+def compat_layout(cfg: Config, checkpoint_config: dict[str, Any], version: str) -> bool:
+    """`export.vllm_compat_layout`, or where it is None whether vLLM `version` would drop a drafter flag from the
+    plain speculators layout of `checkpoint_config` (and so needs the compat layout)."""
+    if cfg.export.vllm_compat_layout is not None:
+        return cfg.export.vllm_compat_layout
+    return bool(contract.dropped_flags(checkpoint_config, version))
 
 
 def serving_version(cfg: Config) -> str:
@@ -170,15 +180,17 @@ def _export(cfg: Config, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
             verifier_where=f"{verifier_dir}/config.json",
         )
         spec_dir = Path(tmp) / "speculators"
-        config = export_config(
-            checkpoint_config, capture, verifier_dir, cfg.export.dtype, vllm_compat_layout=cfg.export.vllm_compat_layout
-        )
-        serving = contract.check_serving(
-            config,
-            serving_version(cfg),
-            where=f"exported from {entry['path']}",
-            num_hidden_layers=capture["num_hidden_layers"],
-        )
+        version = serving_version(cfg)
+        compat = compat_layout(cfg, checkpoint_config, version)
+        picked = cfg.export.vllm_compat_layout is None
+        log(STAGE, "layout", serving_vllm=version, vllm_compat_layout=compat, picked_for_that_vllm=picked)
+        config = export_config(checkpoint_config, capture, verifier_dir, cfg.export.dtype, vllm_compat_layout=compat)
+        try:
+            serving = contract.check_serving(
+                config, version, where=f"exported from {entry['path']}", num_hidden_layers=capture["num_hidden_layers"]
+            )
+        except ValueError as e:  # a layout or serving vLLM the user asked for: their mistake, one error line
+            raise UserError(str(e)) from None
         spec_dir.mkdir()
         (spec_dir / "config.json").write_text(json.dumps(config))
         shapes = write_speculators(load_drafter(ckpt, spec_dir), config, spec_dir, cfg.export.dtype)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3_ray.core import contract, storage
-from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.core.config import UserError, config_from_dict
 from eagle3_ray.train import export
 from tests.support.drafters import attach, cached_run
 
@@ -159,6 +159,7 @@ def test_a_drafter_config_vllm_0_24_would_misread_is_refused_with_the_reason_and
     with pytest.raises(ValueError) as err:
         contract.check_serving(config, "0.24.0", where="in d/config.json")
     message = str(err.value)
+    assert "\n" not in message
     assert message.startswith("vLLM 0.24.0 would silently misread the drafter in d/config.json")
     assert "norm_output=True is not carried over by vLLM 0.24.0's speculators loader" in message
     assert "the drafter would run with norm_output=False" in message
@@ -191,18 +192,23 @@ def test_vllm_0_24_refuses_a_deepseek_drafter_that_reads_the_final_layer_and_unk
         contract.check_serving(config, "0.20.1", where="d")
 
 
-def test_export_for_vllm_0_24_refuses_a_norm_output_drafter_and_its_compat_layout_serves_it(run_dir, tiny_llama):
-    with pytest.raises(
-        ValueError,
-        match=r"(?s)vLLM 0.24 would silently misread the drafter exported from "
-        r"\S+/best:\n  - norm_output=True is not carried over",
-    ):
-        export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24"))
-    summary = export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24", vllm_compat_layout=True))
+def test_export_for_vllm_0_24_picks_the_compat_layout_and_refuses_the_plain_one_when_asked_for(run_dir, tiny_llama):
+    summary = export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24"))
     config = storage.read_json(storage.join(summary["speculators_dir"], "config.json"))
     assert config["norm_output"] is config["transformer_layer_config"]["norm_output"] is True
     assert summary["serving_vllm"]["vllm_version"] == "0.24" and summary["serving_vllm"]["flags"]["norm_output"]
+    with pytest.raises(
+        UserError,
+        match=r"^vLLM 0.24 would silently misread the drafter exported from \S+/best: norm_output=True is not "
+        r"carried over[^\n]*$",
+    ):
+        export.run(make_cfg(run_dir, tiny_llama, serving_vllm_version="0.24", vllm_compat_layout=False))
     export.run(make_cfg(run_dir, tiny_llama))  # leave LATEST on the default export for the other tests
+
+
+def test_export_for_the_installed_vllm_keeps_the_plain_speculators_layout(exported):
+    config = storage.read_json(storage.join(exported["speculators_dir"], "config.json"))
+    assert config["norm_output"] is True and "norm_output" not in config["transformer_layer_config"]
 
 
 def test_export_records_the_installed_vllm_it_was_checked_against(exported):

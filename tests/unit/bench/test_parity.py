@@ -5,7 +5,6 @@ vocabulary), and the served copy of a speculators checkpoint that vLLM 0.24 read
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from bench.gpu import parity
 from eagle3_ray.core import shards
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.train import data, vocab
-from tests.support import REPO
 from tests.support.generate_output import shared_generate_output
-
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-import parity  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -112,7 +108,7 @@ def test_a_speculators_checkpoint_is_served_with_its_drafter_flags_where_vllm_0_
         {
             "verifier": {"path": tiny_llama, "aux_layer_ids": capture["aux_layer_ids"]},
             "train": {"draft_vocab_size": 64},
-            "export": {"vllm_compat_layout": True},
+            "export": {"serving_vllm_version": "0.24"},
         }
     )
     theirs = tmp_path / "speculators_ckpt" / "2"
