@@ -24,6 +24,7 @@ note: its hidden states go straight into the shard), so hidden states reach dura
 from __future__ import annotations
 
 import asyncio
+import atexit
 import glob
 import json
 import os
@@ -334,8 +335,12 @@ class EngineActor:
         self.in_flight: set[str] = set()  # units with requests in the engine
         self._death_recorded = threading.Lock()
         self.requests = RequestLoop(self.engine, self.record_death)
+        # Ray Data retires a finished stage's actors by letting their processes exit: stop the engine first, so
+        # its end is neither logged nor counted as a death (registered after vLLM's own exit hooks: runs before them)
+        atexit.register(self.requests.close)
         engine_procs = self._record_pids()
-        threading.Thread(target=_exit_when_engine_dies, args=(engine_procs, self.record_death), daemon=True).start()
+        args = (engine_procs, self.record_death, self.requests.retiring)
+        threading.Thread(target=_exit_when_engine_dies, args=args, daemon=True).start()
 
     def record_death(self, error: str) -> None:
         """The engine died: count a failed attempt for each unit in flight (commit.check_attempts refuses a unit
@@ -548,19 +553,22 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error) if error else future.set_result(result)
 
 
-def _exit_when_engine_dies(procs: list, on_death: Callable[[str], None], poll_s: float = 1.0) -> None:
+def _exit_when_engine_dies(
+    procs: list, on_death: Callable[[str], None], retiring: threading.Event, poll_s: float = 1.0
+) -> None:
     """An EngineCore (or worker) process that was killed while the actor had no request in it raises nothing in
     the actor, so the actor watches the processes itself, tells `on_death` and exits:
-    Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1)."""
+    Ray restarts it and retries the unit (Ray Data actors: max_restarts=-1, max_task_retries=-1). Once the actor
+    is `retiring` (RequestLoop.close), the engine ends on purpose and nothing is watched."""
     import psutil
 
-    while True:
+    while not retiring.is_set():
         for p in procs:
             try:
                 alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 alive = False
-            if not alive:
+            if not alive and not retiring.is_set():
                 telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
                 on_death(f"engine process {p.pid} ended")
                 os._exit(1)

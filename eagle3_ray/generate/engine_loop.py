@@ -66,7 +66,27 @@ class RequestLoop:
         self.loop = asyncio.new_event_loop()
         self.tasks: set[asyncio.Task] = set()  # the event loop keeps only weak references to its tasks
         self.num_finished = 0
+        self.retiring = threading.Event()  # set by close(): from then on the engine's end is not its death
         threading.Thread(target=self.loop.run_forever, name="engine-loop", daemon=True).start()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Shut the engine down on purpose (the actor's process exits: Ray Data retires it when the stage is
+        done). vLLM's output handler is cancelled before its EngineCore stops, so the end of a finished stage is
+        not logged as the engine's death (an `EngineDeadError` traceback) and does not count as one."""
+        if self.retiring.is_set():
+            return
+        self.retiring.set()
+
+        async def stop() -> None:
+            handler = getattr(self.engine, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
+            self.engine.shutdown()
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout_s)
+        except Exception as e:  # the process is exiting either way: say so in one line, not a traceback
+            telemetry.log("generate", "engine_shutdown_failed", pid=os.getpid(), error=f"{type(e).__name__}: {e}")
 
     def submit(self, requests: list[tuple[str, dict, Any, Handler]]) -> None:
         """requests: (request_id, prompt {"prompt_token_ids": [...]}, SamplingParams, handler)."""
@@ -87,6 +107,8 @@ class RequestLoop:
             async for out in self.engine.generate(prompt, params, request_id):
                 final = out
         except Exception as e:
+            if self.retiring.is_set():  # close() stopped the engine under this request: the process is exiting
+                return
             self._die(e)
         self.num_finished += 1
         self._add(handler(final))
