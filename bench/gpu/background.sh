@@ -4,6 +4,7 @@
 # ends), so no stage has to fit one call.
 #
 #   E3R_RECIPE=... E3R_OVERRIDES='...' E3R_STAGES=ingest,generate,train,export bash bench/gpu/background.sh start
+#   E3R_RECIPE=... E3R_STAGES=... [E3R_RECOVERY=1] bash bench/gpu/background.sh as-written   # no overrides
 #   bash bench/gpu/background.sh wait [seconds]     # each later call, back to back: waits (default 560 s) for the
 #                                                   # job, copies its logs and results into $OUT, prints its events
 #
@@ -23,6 +24,25 @@ start)
         rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
     echo "started: $stages, log $log"
     ;;
+as-written)
+    # The recipe (E3R_RECIPE) exactly as a user runs it (E3R_AS_WRITTEN: no override, its own run.storage_path),
+    # from a copy of the repository in /tmp/bgrepo made when it starts (its runs/ stays), so the working tree that
+    # later calls copy again never changes what the job imports. E3R_RECOVERY=1 also kills a generate engine after its second
+    # committed unit (recovery.py kill-engine) and a training worker at step 300 of epoch 1 (train/worker.py's hook).
+    mkdir -p "$bg" && rm -f "$bg/DONE"
+    mkdir -p /tmp/bgrepo && tar --exclude=./.whl --exclude=./.gpu --exclude=./runs -cf - . | tar -C /tmp/bgrepo -xf -
+    stages="${E3R_STAGES:?set E3R_STAGES}"
+    log="$bg/recipe_${stages//,/_}.log"
+    # shellcheck disable=SC2016  # expanded by the job's shell
+    setsid nohup bash -c 'cd /tmp/bgrepo && source bench/gpu/env.sh && date -u +"start %FT%TZ $E3R_STAGES";
+        if [ -n "${E3R_RECOVERY:-}" ]; then
+            "${PY:-python3}" bench/gpu/recovery.py kill-engine "runs/*" > /tmp/bg/kill_engine.log 2>&1 &
+            export EAGLE3_RAY_TEST_KILL_WORKER_AT="${E3R_KILL_WORKER_AT:-1,300}"
+        fi
+        E3R_AS_WRITTEN=1 OUT=/tmp/bg bash bench/gpu/run_checks.sh recipe;
+        rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
+    echo "started as written: $stages, log $log"
+    ;;
 wait)
     end=$(( $(date +%s) + ${2:-560} ))
     while [ ! -f "$bg/DONE" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
@@ -34,5 +54,5 @@ wait)
     done
     ;;
 *)
-    echo "usage: $0 start|wait [seconds]" >&2; exit 2 ;;
+    echo "usage: $0 start|as-written|wait [seconds]" >&2; exit 2 ;;
 esac

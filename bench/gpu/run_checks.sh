@@ -50,7 +50,7 @@ run_name() {
 
 step_verifier() {
     [ -f "$verifier/make_verifier.json" ] && { cat "$verifier/make_verifier.json"; echo; return; }
-    "$PY" bench/gpu/make_verifier.py "$preset" "$verifier"
+    "$PY" -m bench.gpu.make_verifier "$preset" "$verifier"
 }
 
 step_generate() {
@@ -72,18 +72,18 @@ step_check() {
     # random verifier drifts 1-6% in bf16 with depth); the per-token lines show a misplaced block as an offset.
     # E3R_CHECK_RUN: another run dir, e.g. one generate_bench kept (/tmp/generate_bench/two_pass-256)
     local run="${E3R_CHECK_RUN:-$runs/$(run_name)}"
-    "$PY" bench/gpu/check_capture.py "$run" --num-samples 4 --fp32-reference \
+    "$PY" -m bench.gpu.check_capture "$run" --num-samples 4 --fp32-reference \
         --out "$OUT/check_capture-$(basename "$run").json"
 }
 
 step_capture_bench() {
     # shellcheck disable=SC2086  # bench and E3R_BENCH_ARGS are lists of arguments
-    "$PY" bench/gpu/capture_bench.py "$verifier" $bench ${E3R_BENCH_ARGS:-} --out "$OUT/capture_bench.json"
+    "$PY" -m bench.gpu.capture_bench "$verifier" $bench ${E3R_BENCH_ARGS:-} --out "$OUT/capture_bench.json"
 }
 
 step_generate_bench() {
     # shellcheck disable=SC2086  # gbench and E3R_GENERATE_BENCH_ARGS are lists of arguments (a --work there wins)
-    "$PY" bench/gpu/generate_bench.py "$verifier" $gbench --work /tmp/generate_bench ${E3R_GENERATE_BENCH_ARGS:-} \
+    "$PY" -m bench.gpu.generate_bench "$verifier" $gbench --work /tmp/generate_bench ${E3R_GENERATE_BENCH_ARGS:-} \
         --out "$OUT/generate_bench.json"
 }
 
@@ -93,7 +93,7 @@ step_tp2() {
     "$PY" ray_jobs/pipeline.py "$recipe" --stages ingest,generate verifier.path="$verifier" \
         run.storage_path="$runs" run.name=h200-tp2 ingest.max_rows=64 generate.num_replicas=1 \
         generate.tensor_parallel_size=2 $extra ${E3R_OVERRIDES:-}
-    "$PY" bench/gpu/check_capture.py "$runs/h200-tp2" --num-samples 8 --fp32-reference --out "$OUT/check_capture_tp2.json"
+    "$PY" -m bench.gpu.check_capture "$runs/h200-tp2" --num-samples 8 --fp32-reference --out "$OUT/check_capture_tp2.json"
 }
 
 step_train2() {
@@ -118,8 +118,14 @@ step_recipe() {
     # A recipe's stages through ray_jobs/pipeline.py (E3R_RECIPE, E3R_STAGES, E3R_OVERRIDES), then its metrics,
     # evaluation report and stage summaries into $OUT.
     # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
+    # E3R_AS_WRITTEN=1: the recipe as a user runs it, its own run.storage_path included (no override at all)
+    local storage=(run.storage_path="$runs")
+    if [ -n "${E3R_AS_WRITTEN:-}" ]; then
+        storage=()
+        runs=$("$PY" -c "import sys; from eagle3_ray.core.config import load_config; print(load_config(sys.argv[1]).run.storage_path)" "$recipe")
+    fi
     "$PY" ray_jobs/pipeline.py "$recipe" --stages "${E3R_STAGES:-ingest,generate,train,export,evaluate}" \
-        run.storage_path="$runs" ${E3R_OVERRIDES:-}
+        "${storage[@]}" ${E3R_OVERRIDES:-}
     "$PY" - "$runs/$(run_name)" "$OUT" <<'PY'
 import json, shutil, sys
 from eagle3_ray.core import storage
@@ -149,7 +155,7 @@ step_parity() {
     # E3R_PARITY_ORDER=speculators,ours measures the drafters the other way round.
     local stage="${E3R_PARITY_STAGE:-all}"
     # shellcheck disable=SC2086  # E3R_OVERRIDES is a list of overrides
-    "$PY" bench/gpu/parity.py "$recipe" --set run.storage_path="$runs" ${E3R_OVERRIDES:-} \
+    "$PY" -m bench.gpu.parity "$recipe" --set run.storage_path="$runs" ${E3R_OVERRIDES:-} \
         --epochs "${E3R_PARITY_EPOCHS:-3}" --stage "$stage" --order "${E3R_PARITY_ORDER:-ours,speculators}" \
         --work /tmp/parity --out "$OUT/parity_$stage.json"
 }
@@ -163,13 +169,13 @@ step_pytest_gpu() {
 step_train_bench() {
     # Our training step vs speculators' Trainer on the same synthetic hidden states (total_seq_len 2048 and 8192).
     # shellcheck disable=SC2086  # E3R_TRAIN_BENCH_ARGS is a list of arguments
-    "$PY" bench/gpu_train_bench.py --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
+    "$PY" -m bench.gpu_train_bench --verifier "$verifier" --out "$OUT/train_bench.json" ${E3R_TRAIN_BENCH_ARGS:-}
     cp "$OUT/train_bench.json" "/tmp/train_bench/results-$(date +%s).json"  # for train_pipeline in a later call
 }
 
 step_train_pipeline() {
     # The pipeline's own training (Ray Train, one GPU worker) on the train bench's samples, vs the bench's rate.
-    "$PY" bench/gpu/train_pipeline_bench.py --seq-len "${E3R_TRAIN_SEQ_LEN:-8192}" --out "$OUT/train_pipeline.json" \
+    "$PY" -m bench.gpu.train_pipeline_bench --seq-len "${E3R_TRAIN_SEQ_LEN:-8192}" --out "$OUT/train_pipeline.json" \
         --bench /tmp/train_bench/results-*.json
 }
 
