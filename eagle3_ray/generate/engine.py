@@ -56,7 +56,7 @@ NO_DRAFT_SCHEDULER = "eagle3_ray.generate.scheduler.NoDraftScheduler"
 # short steps that let go of the GIL (a file lock, a read, a dozen small torch ops) while vLLM's output handler and
 # the request coroutines run Python on the actor's event loop; every step back waits for the holder's interval to
 # run out, so at 5 ms a capture note took many times what it costs alone, and a decode step that finished hundreds
-# of samples left a tail of notes after it (bench/bench_writer.py; docs/benchmarks.md#writer-note-pickup-cpu).
+# of samples left a tail of notes after it (bench/bench_writer.py; docs/benchmarks.md#cpu-micro-benchmarks).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
