@@ -428,8 +428,10 @@ class ExportConfig:
     refuses a drafter that version would silently misread (contract.SERVING_VLLM says what each version reads)."""
     vllm_compat_layout: bool | None = None
     """Also write the drafter flags (norm_before_fc, fc_norm, norm_output, norm_before_residual) into
-    `transformer_layer_config`, which every vLLM's speculators loader takes as the drafter's model config as it is:
-    the way to serve a norm_output drafter on vLLM 0.24, whose loader drops the top-level field."""
+    `transformer_layer_config`, which every vLLM's speculators loader takes as the drafter's model config as it is
+    (vLLM 0.24's loader drops the top-level norm_output and fc_norm). None: the layout the serving vLLM
+    (`serving_vllm_version`) needs, compat exactly where it would drop a flag; true/false: that layout, and a layout
+    the serving vLLM would misread ends the stage with one error line."""
 
     def __post_init__(self) -> None:
         named_epoch = self.checkpoint.startswith("epoch=") and self.checkpoint[6:].isdigit()
