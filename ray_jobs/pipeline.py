@@ -1,9 +1,11 @@
 """Run the whole pipeline (or some stages of it) in one driver.
 
-    python ray_jobs/pipeline.py ray_jobs/configs/tiny_cpu.yaml [section.field=value ...] [--stages ingest,generate]
-    ray job submit --working-dir . -- python ray_jobs/pipeline.py ray_jobs/configs/tiny_cpu.yaml run.name=demo
+    python ray_jobs/pipeline.py ray_jobs/configs/smollm2_quick_cpu.yaml [section.field=value ...] [--stages ingest,...]
+    ray job submit --working-dir . -- python ray_jobs/pipeline.py ray_jobs/configs/smollm2_quick_cpu.yaml run.name=demo
 
-Resubmitting with the same run.storage_path and run.name resumes; the first log line says so.
+The main job on a CPU is smollm2_quick_cpu.yaml (a real model, SmolLM2-135M-Instruct); tiny_cpu.yaml is the test bed,
+a random verifier built in code that no drafter can speed up. Resubmitting with the same run.storage_path and run.name
+resumes; the first log line says so. The job ends with the evaluation's verdict in words.
 """
 
 import sys

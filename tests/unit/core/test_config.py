@@ -13,13 +13,14 @@ CONFIGS = REPO / "ray_jobs" / "configs"
 RECIPES = sorted(CONFIGS.glob("*.yaml"))
 
 
-def test_the_shipped_recipes_are_the_seven_documented_ones():
+def test_the_shipped_recipes_are_the_eight_documented_ones():
     assert [p.stem for p in RECIPES] == [
         "kimi_k25",
         "llama3_8b",
         "qwen3_30b_a3b",
         "smollm2_cpu",
         "smollm2_h200",
+        "smollm2_quick_cpu",
         "tiny_cpu",
         "tiny_kimi_cpu",
     ]
@@ -55,6 +56,15 @@ def test_tiny_cpu_recipe_is_the_embedded_default_with_small_numbers():
     assert cfg.generate.engine_kwargs["enforce_eager"] is True
     assert cfg.generate.engine_kwargs["kv_cache_memory_bytes"] == 256 << 20
     assert cfg.generate.max_tokens <= 64 and cfg.train.num_workers == 2 and cfg.evaluate.report_only
+
+
+def test_the_quick_smollm2_recipe_trains_less_than_the_long_one_and_gates_one_request_at_a_time():
+    quick, long = load_config(CONFIGS / "smollm2_quick_cpu.yaml"), load_config(CONFIGS / "smollm2_cpu.yaml")
+    assert quick.verifier == long.verifier and quick.evaluate.prompts == long.evaluate.prompts == "builtin:mtbench"
+    quick_tokens = quick.generate.max_tokens * quick.generate.responses_per_prompt * quick.train.epochs
+    assert quick_tokens < long.generate.max_tokens * long.generate.responses_per_prompt * long.train.epochs
+    assert quick.evaluate.concurrency == [1] and quick.evaluate.min_speedup == 1.0 and quick.evaluate.baseline_again
+    assert quick.run.name != long.run.name
 
 
 def test_overrides_apply_with_their_declared_types():
