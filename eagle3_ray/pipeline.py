@@ -71,9 +71,15 @@ def _run_stage(cfg: Config, name: str) -> dict[str, Any]:
 
 
 def run(cfg: Config, stages: list[str] | tuple[str, ...] = STAGES) -> dict[str, dict[str, Any]]:
-    """Run `stages` in order in this driver; returns each stage's summary. A failing stage stops the pipeline."""
-    ensure_ray(cfg.run)
+    """Run `stages` in order in this driver; returns each stage's summary. A failing stage stops the pipeline.
+    A `train.init_from` drafter that cannot start this run's training is refused first, before Ray starts and
+    anything is generated."""
     stages = list(stages)
+    if set(stages) & {"ingest", "generate", "train"}:
+        from eagle3_ray.train import init_from
+
+        init_from.check_before_compute(cfg)
+    ensure_ray(cfg.run)
     if cfg.train.source == "online" and "generate" in stages:
         # online training runs the engines itself, inside the train stage (eagle3_ray/train/online.py)
         stages.remove("generate")

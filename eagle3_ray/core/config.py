@@ -324,6 +324,14 @@ class TrainConfig:
     """Decoder layers in the drafter."""
     draft_vocab_size: int = 1024
     """Draft vocabulary size (most frequent response tokens), mapped with speculators' d2t/t2d."""
+    init_from: str | None = None
+    """A speculators-format EAGLE-3 drafter to start training from instead of random weights (optimizer fresh): a
+    directory with config.json + model.safetensors, local or a URI, such as `<run>/export/<version>/speculators/` or
+    a published drafter laid out the same way. Checked against the verifier and this config before any compute (at
+    pipeline start and again in train): another hidden size, verifier vocabulary or architecture, aux layer ids,
+    drafter flags or number of draft layers ends the job naming the field on each side; another draft vocabulary is
+    mapped onto the run's (train/init_from.py). A run resuming from its own checkpoint restores that instead. The
+    path is part of the stage version; the summary records it with the sha256 of model.safetensors."""
     attn_impl: str = "auto"
     """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
     loss_implementation: str = "auto"
@@ -389,6 +397,9 @@ class TrainConfig:
         _check(self.total_seq_len > 0, "train.total_seq_len", "must be > 0")
         _check(self.ttt_steps >= 1, "train.ttt_steps", "must be >= 1")
         _check(self.draft_vocab_size > 0, "train.draft_vocab_size", "must be > 0")
+        _check(self.init_from is None or bool(self.init_from), "train.init_from", "must be a path, a URI or null")
+        if self.init_from is not None and "://" not in self.init_from:
+            self.init_from = os.path.abspath(self.init_from)  # Ray Train workers read it from another directory
         _check(0 < self.val_fraction < 1, "train.val_fraction", "must be in (0, 1)")
         _check(self.num_to_keep >= 1, "train.num_to_keep", "must be >= 1")
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")

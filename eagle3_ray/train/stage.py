@@ -14,7 +14,7 @@ from __future__ import annotations
 from eagle3_ray.core import stage, storage
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.telemetry import log, metrics, read_jsonl
-from eagle3_ray.train import checkpoints, data, vocab
+from eagle3_ray.train import checkpoints, data, init_from, vocab
 
 # Ray is imported inside the functions that start training: importing this module (e.g. to check data) must not
 # import Ray, which fixes its auth settings from the environment at import time.
@@ -106,6 +106,18 @@ def fit(trainer_) -> None:
         raise result.error
 
 
+def start_from(cfg: Config, out_dir: str, capture: dict, args) -> dict | None:
+    """`train.init_from`'s record for the summary (path, sha256, head rows), set on the workers' `args`; None
+    without it. Needs the run's draft vocabulary (out_dir/vocab)."""
+    if cfg.train.init_from is None:
+        return None
+    d2t, _t2d = vocab.load_vocab(storage.join(out_dir, "vocab"))
+    whole_vocab = cfg.train.draft_vocab_size == capture["vocab_size"]  # speculators then maps no ids
+    record = init_from.record(cfg.train.init_from, None if whole_vocab else d2t, cfg.train.draft_vocab_size)
+    args.init_from = {"path": record["path"], "sha256": record["sha256"]}
+    return record
+
+
 def finish(cfg: Config, out_dir: str, split: dict, problems: dict[str, str]) -> dict:
     """The train summary: split sizes, bad samples, and best/last/kept checkpoints with their metrics. The last
     epoch's numbers also go to Prometheus from this driver process: the workers' gauges end with their processes,
@@ -131,13 +143,14 @@ def finish(cfg: Config, out_dir: str, split: dict, problems: dict[str, str]) -> 
 def run(cfg: Config) -> dict:
     """Train the drafter on the shards of the generate stage, or on the capture stream (`train.source=online`);
     returns the stage summary."""
+    initial = {} if cfg.train.init_from is None else {"init_from": cfg.train.init_from}
     if cfg.train.source == "online":
         ingest_dir = stage.input_dir(cfg, "ingest")
-        return stage.run(
-            cfg, "train", version(cfg), lambda out: _train_online(cfg, ingest_dir, out), inputs={"ingest": ingest_dir}
-        )
+        inputs = {"ingest": ingest_dir, **initial}
+        return stage.run(cfg, "train", version(cfg), lambda out: _train_online(cfg, ingest_dir, out), inputs=inputs)
     gen_dir = stage.input_dir(cfg, "generate")
-    return stage.run(cfg, "train", version(cfg), lambda out: _train(cfg, gen_dir, out), inputs={"generate": gen_dir})
+    inputs = {"generate": gen_dir, **initial}
+    return stage.run(cfg, "train", version(cfg), lambda out: _train(cfg, gen_dir, out), inputs=inputs)
 
 
 def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
@@ -147,27 +160,31 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
     from eagle3_ray.train import online
     from eagle3_ray.train.online_worker import OnlineLoop
 
+    init_from.check_before_compute(cfg)
     ensure_ray(cfg.run)
     created_pgs: list = []
     engines: list = []
     try:
         args, dataset, split, engines = online.prepare(cfg, ingest_dir, out_dir, created_pgs)
         check_split(split["num_train"], len(split["val_ids"]), cfg)
+        initial = start_from(cfg, out_dir, args.capture, args)
         fit(trainer(cfg, out_dir, args, OnlineLoop, train=dataset))
     finally:
         for engine in engines:
             ray.kill(engine, no_restart=True)
         for pg in created_pgs:
             ray.util.remove_placement_group(pg)
-    return finish(cfg, out_dir, split, {})
+    return {**finish(cfg, out_dir, split, {}), "init_from": initial}
 
 
 def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     from eagle3_ray.core.raycluster import ensure_ray
     from eagle3_ray.train.worker import WorkerArgs
 
-    ensure_ray(cfg.run)
     capture = storage.read_json(storage.join(gen_dir, "capture.json"))
+    if cfg.train.init_from is not None:
+        init_from.check(cfg, capture)  # against the data it will train on, before Ray starts
+    ensure_ray(cfg.run)
     refs, problems = prepare_samples(gen_dir, capture, cfg)
     roles = [data.split_role(r.id, cfg) for r in refs]
     val = [r for r, role in zip(refs, roles, strict=True) if role == "val"]
@@ -204,5 +221,6 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
         train_refs=train_refs,
         val_refs=val,
     )
+    initial = start_from(cfg, out_dir, capture, args)
     fit(trainer(cfg, out_dir, args))
-    return finish(cfg, out_dir, split, problems)
+    return {**finish(cfg, out_dir, split, problems), "init_from": initial}

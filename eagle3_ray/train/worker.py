@@ -35,7 +35,7 @@ from eagle3_ray.core import storage
 from eagle3_ray.core.config import Config, TrainConfig, config_from_dict
 from eagle3_ray.core.telemetry import JsonlWriter, log, metrics
 from eagle3_ray.core.verifiers import verifier_dir_on_this_node
-from eagle3_ray.train import acceptance, checkpoints, data, vocab
+from eagle3_ray.train import acceptance, checkpoints, data, init_from, vocab
 
 
 def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device) -> Eagle3DraftModel:
@@ -57,9 +57,7 @@ def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device
         t2d=t2d,
         d2t=d2t,
         draft_vocab_size=tc.draft_vocab_size,
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
+        **init_from.TRAINED_FLAGS,
         ttt_steps=tc.ttt_steps,
         verifier_name_or_path=verifier,
         target_layer_ids=capture["aux_layer_ids"],
@@ -102,6 +100,7 @@ class WorkerArgs:
     val_refs: list[data.SampleRef] = field(default_factory=list)  # offline: the samples to validate on
     steps_per_epoch: int | None = None  # online: estimated steps (None: the offline loader's length)
     cache_dir: str | None = None  # online with train.online_cache: where the first epoch's shards go
+    init_from: dict[str, Any] | None = None  # train.init_from: its path and sha256 (init_from.record)
     kill_at: tuple[int, int] | None = field(default_factory=lambda: fault_injection_point())  # recovery tests only
 
 
@@ -557,9 +556,12 @@ class Loop:
         self.start_epoch, self.step, self.best = 0, 0, None
 
     def restore(self) -> None:
-        """Resume after the last reported checkpoint: weights, optimizer, scheduler, RNG, epoch and step."""
+        """Resume after the last reported checkpoint: weights, optimizer, scheduler, RNG, epoch and step. A run
+        without a checkpoint of its own starts from `train.init_from`'s weights, if set."""
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
+            if self.args.init_from is not None:
+                self._start_from(self.args.init_from)
             return
         with ckpt.as_directory() as d:
             state = checkpoints.restore(d, self.raw, self.optimizers, self.schedulers)
@@ -570,6 +572,12 @@ class Loop:
                 {"kind": "resumed", "from_epoch": state["epoch"], "next_epoch": self.start_epoch, "step": self.step}
             )
             self._repair_best(state)
+
+    def _start_from(self, init: dict[str, Any]) -> None:
+        counts = init_from.load_into(self.raw, init["path"], init["sha256"])
+        if self.rank == 0:
+            log("train", "started_from", path=init["path"], sha256=init["sha256"], **counts)
+            self.sinks.jsonl.write({"kind": "started_from", "path": init["path"], "sha256": init["sha256"], **counts})
 
     def _repair_best(self, state: dict) -> None:
         # rank 0 may have died between reporting a new best checkpoint and copying it to best/
