@@ -2,7 +2,7 @@
 speculators' offline path (vLLM's OpenAI server with the project's CPU connector + `speculators
 generate-offline-data`, one safetensors file per sample), same verifier, same token sequences, same run.
 
-    .venv/bin/python bench/bench_capture.py --work /tmp/bench_capture --num-samples 96
+    .venv/bin/python -m bench.bench_capture --work /tmp/bench_capture --num-samples 96
 
 Throughput is steady state for both sides: tokens of every file after the first one, over the time between the
 first and the last file being written (engine and server start-up are excluded on both sides; they are printed).
@@ -46,14 +46,6 @@ def make_conversations(tokenizer, num: int) -> list[list[dict]]:
     return convs
 
 
-def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> None:
-    """The bench's conversations as the finished ingest output `cfg` determines, as the ingest stage writes it."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
-    from tests.support.ingest_data import write_ingest as write
-
-    write(cfg, tokenizer, convs)
-
-
 def steady_rate(files_tokens: list[tuple[float, int]]) -> float:
     """Tokens/s from file write times: everything after the first file, over first-to-last time."""
     files_tokens.sort()
@@ -81,8 +73,10 @@ def run_ours(work: str, verifier: str, dtype: str, num_samples: int) -> dict:
     )
     from transformers import AutoTokenizer
 
+    from eagle3_ray.ingest.in_memory import write_output
+
     tok = AutoTokenizer.from_pretrained(verifier)
-    write_ingest(cfg, tok, make_conversations(tok, num_samples))
+    write_output(cfg, tok, make_conversations(tok, num_samples), source="bench")
     summary = run(cfg)  # a finished version is not redone: its summary and part times are reported
     out = summary["path"]
     parts = [

@@ -2,8 +2,8 @@
 `LLM.generate`, the engine with capture in one call, connector-level prefill capture, and the stage in each mode
 (generate, two_pass, capture_only), with tokens/s, ratios, bytes written and engine start.
 
-    .venv/bin/python bench/bench_generate.py --out /tmp/generate_bench/cpu.json
-    .venv/bin/python bench/bench_generate.py --out-lens 64 --num-prompts 32 --modes plain,stage_generate
+    .venv/bin/python -m bench.bench_generate --out /tmp/generate_bench/cpu.json
+    .venv/bin/python -m bench.bench_generate --out-lens 64 --num-prompts 32 --modes plain,stage_generate
 
 The CPU configuration of bench/gpu/generate_bench.py (`--tiny`: the tiny verifier built here, 24 prompts, output
 lengths 32 and 128); every argument of that script applies.

@@ -1,7 +1,7 @@
 """Offline (generate stage, then train stage) against online training (train.source=online, with and without
 train.online_cache), end to end on the tiny verifier: wall time, peak memory and bytes written to storage.
 
-    .venv/bin/python bench/bench_online.py --work /tmp/bench_online --num-samples 48 --epochs 2
+    .venv/bin/python -m bench.bench_online --work /tmp/bench_online --num-samples 48 --epochs 2
 
 Each mode runs in a fresh child process that starts its own local Ray, so the memory sampled is that mode's whole
 process tree (driver, GCS, raylet, engine actor + vLLM EngineCore, train workers): the sum of RSS, sampled every
@@ -53,19 +53,17 @@ def recipe(work: str, mode: str, verifier: str, num_samples: int, epochs: int) -
 
 def write_ingest(cfg, verifier: str, num_samples: int) -> None:
     """The bench's conversations (first turns of the builtin prompts) as the finished ingest output `cfg`
-    determines, as the ingest stage writes it."""
+    determines."""
     from transformers import AutoTokenizer
 
     from eagle3_ray.core.prompts import tiny_prompts
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests.support
-    from tests.support.ingest_data import write_ingest as write
+    from eagle3_ray.ingest.in_memory import write_output
 
     convs = []
     for conv in tiny_prompts(num_prompts=num_samples):
         msgs = [m for m in conv["messages"] if m["role"] != "assistant"][:2]
         convs.append(msgs if msgs[-1]["role"] == "user" else msgs[:1])
-    write(cfg, AutoTokenizer.from_pretrained(verifier), convs)
+    write_output(cfg, AutoTokenizer.from_pretrained(verifier), convs, source="bench")
 
 
 def child(args: argparse.Namespace) -> None:

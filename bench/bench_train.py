@@ -1,7 +1,7 @@
 """Training throughput on CPU, on the tiny verifier's generate output: our train-stage step vs speculators' model +
 loss driven by a minimal plain loop fed by speculators' own data path (ArrowDataset over per-sample files).
 
-    .venv/bin/python bench/bench_train.py [--steps 30 --warmup 5 --total-seq-len 512 --work /tmp/bench_train]
+    .venv/bin/python -m bench.bench_train [--steps 30 --warmup 5 --total-seq-len 512 --work /tmp/bench_train]
 
 Ours: train_worker.build_model / loss_kwargs / make_loaders (data.ShardDataset over shards + manifest), the worker's
 step body, in one process without Ray Train (so it times the step, not Ray startup). Speculators: the same
@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
@@ -26,12 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_train_bench as gb  # noqa: E402
-
-from eagle3_ray.core import storage  # noqa: E402
+from bench import gpu_train_bench as gb
+from eagle3_ray.core import storage
 
 
 def to_speculators_format(gen_dir: str, spec_dir: str) -> None:
@@ -99,10 +93,10 @@ def time_speculators_loop(
 def prepare(work: str, num_samples: int, draft_vocab: int) -> tuple[str, str, str]:
     """(generate dir, speculators data dir, our vocab dir) for the tiny Llama verifier."""
     from eagle3_ray.core.tiny_verifier import build_tiny_verifier
-    from tests.support.generate_output import build_generate_output
+    from eagle3_ray.generate.reference import write_reference_output
 
     verifier = str(build_tiny_verifier("llama", os.path.join(work, "tiny-llama"), dtype="float32"))
-    gen_dir = build_generate_output(os.path.join(work, "run"), verifier, num_samples=num_samples, max_new_tokens=64)
+    gen_dir = write_reference_output(os.path.join(work, "run"), verifier, num_samples=num_samples, max_new_tokens=64)
     spec_dir = os.path.join(work, "spec_data")
     if not os.path.exists(os.path.join(spec_dir, "dataset_info.json")):
         to_speculators_format(gen_dir, spec_dir)

@@ -5,12 +5,12 @@ one-pass generation on a machine (the disk, the stats pass, or the scratch copy)
 (capture_only, two_pass's capture pass) skip this path on a local run dir: vLLM's connector writes them into their
 shards itself.
 
-    .venv/bin/python bench/bench_writer.py --out-dir /tmp/writer_bench --threads 1,2
-    python3 bench/bench_writer.py --hidden 4096 --layers 4 --threads 1,4,8,16 --out-dir /tmp/writer_bench   # 8B-shaped
+    .venv/bin/python -m bench.bench_writer --out-dir /tmp/writer_bench --threads 1,2
+    python3 -m bench.bench_writer --hidden 4096 --layers 4 --threads 1,4,8,16 --out-dir /tmp/writer_bench   # 8B-shaped
 
 Rows: GB/s of captured bf16 bytes for each step alone and for the whole path, per thread count.
 
-    .venv/bin/python bench/bench_writer.py --notes 200 --threads 8
+    .venv/bin/python -m bench.bench_writer --notes 200 --threads 8
 
 `--notes N`: the pickup of N notes of samples the connector wrote into their shards (as the actor's writer threads
 take them: wait for the note's lock, read and check it, stats from its norms) on `--threads` threads beside one thread

@@ -1,9 +1,9 @@
 """Training throughput on one GPU: our train-stage step (eagle3_ray.train.worker's model build + data.py's loader)
 vs speculators' own Trainer (`python3 -m speculators.train`), on the same synthetic hidden states.
 
-    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --out /tmp/tb.json      # 8192, then 2048
-    python3 bench/gpu_train_bench.py --verifier /tmp/verifiers/llama3-8b --seq-lens 8192 --out /tmp/tb_8192.json
-    python3 bench/gpu_train_bench.py --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
+    python3 -m bench.gpu_train_bench --verifier /tmp/verifiers/llama3-8b --out /tmp/tb.json      # 8192, then 2048
+    python3 -m bench.gpu_train_bench --verifier /tmp/verifiers/llama3-8b --seq-lens 8192 --out /tmp/tb_8192.json
+    python3 -m bench.gpu_train_bench --tiny --out /tmp/train_bench_tiny.json                            # CPU rehearsal
 
 Each side trains one warm-up epoch (dynamo's compile, the loader's start), then one timed epoch: every sample of
 speculators' train split (the first 90% of the samples; our side gets the same ones, both samplers the same seed)
@@ -42,16 +42,14 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for eagle3_ray
 from eagle3_ray.core import shards, storage
-from eagle3_ray.train import vocab  # noqa: E402
+from eagle3_ray.train import vocab
 
 LLAMA31_8B = dict(
     architectures=["LlamaForCausalLM"],

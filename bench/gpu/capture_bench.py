@@ -3,9 +3,9 @@
 prompts, next to the prefill roofline (2 x parameters FLOPs per token over a bf16 matrix rate measured in the same
 call).
 
-    python3 bench/gpu/capture_bench.py /tmp/verifiers/llama3-8b --num-prompts 128 --prompt-len 2048
-    python3 bench/gpu/capture_bench.py /tmp/verifiers/llama3-8b --tp 2          # rates also per GPU
-    .venv/bin/python bench/gpu/capture_bench.py /tmp/mv/tiny --num-prompts 8 --prompt-len 128   # CPU rehearsal
+    python3 -m bench.gpu.capture_bench /tmp/verifiers/llama3-8b --num-prompts 128 --prompt-len 2048
+    python3 -m bench.gpu.capture_bench /tmp/verifiers/llama3-8b --tp 2          # rates also per GPU
+    .venv/bin/python -m bench.gpu.capture_bench /tmp/mv/tiny --num-prompts 8 --prompt-len 128   # CPU rehearsal
 
 Each measurement runs in its own process (one engine alive at a time, GPU memory returned between them) and prints
 one `RESULT {json}` line; this process collects them and prints the table. Prefill only: max_tokens=1, so a request
@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core.config import config_from_dict  # noqa: E402
-from eagle3_ray.core.tiny_verifier import SPECIAL_TOKENS  # noqa: E402
+from eagle3_ray.core.config import config_from_dict
+from eagle3_ray.core.tiny_verifier import SPECIAL_TOKENS
 
 GPU_ENGINE_KWARGS = {"gpu_memory_utilization": 0.85}
 CPU_ENGINE_KWARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}
@@ -57,8 +56,7 @@ def matmul_rate(n: int) -> dict:
 
 
 def parameter_counts(model: str) -> dict:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from make_verifier import weight_shapes
+    from bench.gpu.make_verifier import weight_shapes
 
     shapes = weight_shapes(Path(model))
     return {

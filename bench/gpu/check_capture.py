@@ -1,6 +1,6 @@
 """Check captured hidden states against a transformers forward pass of the same verifier on the same tokens.
 
-    python3 bench/gpu/check_capture.py /tmp/runs/h200-llama3-8b --num-samples 4
+    python3 -m bench.gpu.check_capture /tmp/runs/h200-llama3-8b --num-samples 4
 
 Reads the latest generate output of the run (capture.json, manifest.parquet, conversations.parquet, shards), runs
 the verifier in transformers on `input_ids[:T]` of a few samples, and compares layer by layer. The reference is taken
@@ -24,9 +24,8 @@ from pathlib import Path
 import pyarrow.compute as pc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core import shards, storage  # noqa: E402
-from eagle3_ray.core.layers import reference_hidden_states  # noqa: E402
+from eagle3_ray.core import shards, storage
+from eagle3_ray.core.layers import reference_hidden_states
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> list[float]:

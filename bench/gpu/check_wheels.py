@@ -1,6 +1,6 @@
 """Check the wheel set for the H200 machines (no internet access) here, on CPU, before any GPU run.
 
-    .venv/bin/python bench/gpu/check_wheels.py .whl/all
+    .venv/bin/python -m bench.gpu.check_wheels .whl/all
 
 For every wheel: it is a valid zip (all CRCs), its tags install on CPython 3.12 / manylinux_2_39 x86_64, and it is
 the only version of its name. Then, from the roots (vllm, speculators, ray[data,train,default]), every Requires-Dist

@@ -19,7 +19,7 @@ the same bytes moved each way:
   connector pool of N threads, in unit order: straight into the pool / through shards.PerFileJobs (one file's
   writes one at a time, files side by side).
 
-    python3 bench/gpu/copy_bench.py --out $OUT/copy_bench.json
+    python3 -m bench.gpu.copy_bench --out $OUT/copy_bench.json
 
 Defaults are the 8B shape's: 200 samples of 298 captured tokens (59,697 rows in the stage), 4 layers x 4096, bf16.
 """

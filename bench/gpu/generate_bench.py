@@ -1,8 +1,8 @@
 """The generate stage against the vLLM engine it wraps, on identical prompts, in one call.
 
-    python3 bench/gpu/generate_bench.py /tmp/verifiers/llama3-8b --out-lens 256,2048 --out $OUT/generate_bench.json
-    python3 bench/gpu/generate_bench.py --summary $OUT/generate_bench.jsonl   # one line per row, a stage's tail
-    .venv/bin/python bench/gpu/generate_bench.py --tiny --out /tmp/generate_bench/result.json   # CPU rehearsal
+    python3 -m bench.gpu.generate_bench /tmp/verifiers/llama3-8b --out-lens 256,2048 --out $OUT/generate_bench.json
+    python3 -m bench.gpu.generate_bench --summary $OUT/generate_bench.jsonl   # one line per row, a stage's tail
+    .venv/bin/python -m bench.gpu.generate_bench --tiny --out /tmp/generate_bench/result.json   # CPU rehearsal
 
 Prompts: the first turn (system + user) of `tiny_prompts` (the 200 builtin prompts), greedy, ignore_eos, so every
 path generates exactly `out_len` tokens per prompt. Each measurement runs in a fresh process (one engine alive at a
@@ -42,8 +42,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core.config import apply_overrides, config_from_dict, load_config  # noqa: E402
+from eagle3_ray.core.config import apply_overrides, config_from_dict, load_config
 
 GPU_ENGINE = {"gpu_memory_utilization": 0.85, "max_num_seqs": 256}
 CPU_ENGINE = {"enforce_eager": True, "kv_cache_memory_bytes": 512 << 20, "max_num_seqs": 64}

@@ -3,9 +3,9 @@ project's small locally trained tokenizer (tiny_verifier.build_tokenizer, 4096 i
 random bf16 weights (safetensors shards, made on the GPU when there is one) or no weights at all (for vLLM's
 `load_format="dummy"`).
 
-    python3 bench/gpu/make_verifier.py llama3-8b /tmp/verifiers/llama3-8b            # 16 GB of random weights
-    python3 bench/gpu/make_verifier.py qwen3-30b-a3b /tmp/verifiers/qwen3-moe --no-weights --num-layers 8
-    python3 bench/gpu/make_verifier.py tiny /tmp/verifiers/tiny                     # CPU rehearsal, seconds
+    python3 -m bench.gpu.make_verifier llama3-8b /tmp/verifiers/llama3-8b            # 16 GB of random weights
+    python3 -m bench.gpu.make_verifier qwen3-30b-a3b /tmp/verifiers/qwen3-moe --no-weights --num-layers 8
+    python3 -m bench.gpu.make_verifier tiny /tmp/verifiers/tiny                     # CPU rehearsal, seconds
 
 The tokenizer has 4096 ids while the model keeps its real vocabulary (128256 for Llama-3.1): the rows of lm_head
 past the tokenizer are zero, so greedy decoding (generate.temperature=0) only emits ids the tokenizer can decode.
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for eagle3_ray
-from eagle3_ray.core.tiny_verifier import BOS_ID, IM_END_ID, PAD_ID, build_tokenizer  # noqa: E402
+from eagle3_ray.core.tiny_verifier import BOS_ID, IM_END_ID, PAD_ID, build_tokenizer
 
 _LLAMA31_ROPE = {
     "factor": 8.0,

@@ -2,9 +2,9 @@
 checkpoints) on the samples bench/gpu_train_bench.py wrote, at the same total_seq_len, next to that bench's
 in-process rate of the same step: what the Ray Train wrapping costs.
 
-    python3 bench/gpu_train_bench.py --out /tmp/e3r_out/train_bench.json          # writes /tmp/train_bench first
-    python3 bench/gpu/train_pipeline_bench.py --seq-len 8192 --bench /tmp/e3r_out/train_bench.json --out /tmp/tp.json
-    .venv/bin/python bench/gpu/train_pipeline_bench.py --cpu --work /tmp/train_bench_tiny --seq-len 256   # rehearsal
+    python3 -m bench.gpu_train_bench --out /tmp/e3r_out/train_bench.json          # writes /tmp/train_bench first
+    python3 -m bench.gpu.train_pipeline_bench --seq-len 8192 --bench /tmp/e3r_out/train_bench.json --out /tmp/tp.json
+    .venv/bin/python -m bench.gpu.train_pipeline_bench --cpu --work /tmp/train_bench_tiny --seq-len 256   # rehearsal
 
 The bench's generate dir becomes this run's generate output (a link at the version this config expects, marked
 finished), so the train stage reads exactly the bench's shards. The rate is the median `tokens_per_s` of the
@@ -22,10 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eagle3_ray.core import stage, storage
+from eagle3_ray.core.config import load_config
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from eagle3_ray.core import stage, storage  # noqa: E402
-from eagle3_ray.core.config import load_config  # noqa: E402
 
 
 def overrides(args, capture: dict) -> list[str]:

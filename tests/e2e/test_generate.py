@@ -21,8 +21,8 @@ from eagle3_ray.core import shards, storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.core.layers import reference_hidden_states
 from tests.support.configs import CPU_ENGINE, generate_cfg
-from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
-from tests.support.processes import kill_processes  # noqa: E402
+from tests.support.ingest_data import conversations
+from tests.support.processes import kill_processes
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,9 @@ def run(cfg):
 def ingest(cfg, verifier: str, **kwargs):
     from transformers import AutoTokenizer
 
-    return write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(**kwargs))
+    from eagle3_ray.ingest.in_memory import write_output
+
+    return write_output(cfg, AutoTokenizer.from_pretrained(verifier), conversations(**kwargs))
 
 
 def out_dir(cfg) -> str:

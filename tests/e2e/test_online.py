@@ -12,7 +12,7 @@ import pytest
 from eagle3_ray.core import storage
 from eagle3_ray.train.worker import FAULT_INJECTION_ENV
 from tests.support.configs import online_cfg
-from tests.support.ingest_data import conversations, write_ingest  # noqa: E402
+from tests.support.ingest_data import conversations
 
 pytestmark = pytest.mark.e2e
 
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.e2e
 def run_online(cfg, verifier: str) -> dict:
     from transformers import AutoTokenizer
 
+    from eagle3_ray.ingest.in_memory import write_output
     from eagle3_ray.train.stage import run
 
-    write_ingest(cfg, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
+    write_output(cfg, AutoTokenizer.from_pretrained(verifier), conversations(num_single=24, num_multi=2))
     return run(cfg)
 
 

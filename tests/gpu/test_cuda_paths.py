@@ -3,17 +3,14 @@
 import pytest
 import torch
 
-from tests.unit.bench.test_bench_train import _tiny_run
-from tests.unit.generate.test_generate import (
-    test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture as planned_rows_case,
-)
+from tests.support.device_checks import planned_rows_cut_by_sample_are_each_samples_planned_capture, tiny_bench_run
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
 def test_a_steps_planned_rows_on_cuda_cut_by_sample_are_each_samples_planned_capture(dtype):
-    planned_rows_case("cuda", dtype)
+    planned_rows_cut_by_sample_are_each_samples_planned_capture("cuda", dtype)
 
 
 def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(tmp_path):
@@ -21,7 +18,7 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
     from eagle3_ray.train import data
     from eagle3_ray.train import worker as train_worker
 
-    gen_dir, _ = _tiny_run(tmp_path)
+    gen_dir, _ = tiny_bench_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
     for ref in refs[:8]:  # half the samples stored as fp8: mixed batches fall back to the host decode
         path = str(tmp_path / f"{ref.key}.fp8.safetensors")

@@ -1,6 +1,6 @@
 """Test drafters: speculators' EAGLE-3 drafter trained briefly by the library's own pieces (train/worker.py's
 build_model, optimizers and TrainStep over train/data.py's packed batches) on the tiny verifier's own greedy outputs
-(tests/support/generate_output.py), written as a train-stage checkpoint directory (docs/design.md: config.json,
+(generate/reference.py), written as a train-stage checkpoint directory (docs/design.md: config.json,
 model.safetensors with trainable weights + d2t/t2d, optimizer.pt, train_state.json, capture.json) plus a
 train/LATEST.json naming it. The Ray Train loop around these pieces is tested in tests/e2e/test_train.py.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.generate_output import build_generate_output
+from eagle3_ray.generate.reference import write_reference_output
 
 NUM_TRAIN_PROMPTS = 12
 NUM_VAL_PROMPTS = 4  # generated with the others, left out of training and named in train/split.json
@@ -41,7 +41,7 @@ def train_tiny_drafter(
     torch.manual_seed(seed)
     conversations = tiny_prompts(split="train", num_prompts=NUM_TRAIN_PROMPTS + NUM_VAL_PROMPTS, seed=seed)
     val_ids = sorted(conversation_id(c["messages"]) for c in conversations[NUM_TRAIN_PROMPTS:])
-    gen_dir = build_generate_output(
+    gen_dir = write_reference_output(
         str(run_dir),
         verifier_dir,
         max_new_tokens=max_new_tokens,

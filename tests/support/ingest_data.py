@@ -1,13 +1,7 @@
-"""Ingest-stage output for the generate tests, written with the ingest stage's own schema, ids and prompt lengths
-(without running Ray Data)."""
+"""Conversations for the generate and online tests; the library's `ingest.in_memory.write_output` makes them the
+ingest output a config determines (without running Ray Data)."""
 
 from __future__ import annotations
-
-import pyarrow as pa
-
-from eagle3_ray.core import stage, storage
-from eagle3_ray.ingest.formats import conversation_id
-from eagle3_ray.ingest.stage import CONVERSATION_COLUMNS, NORMALISED_SCHEMA, prompt_lengths
 
 TOPICS = [
     "parse a csv file",
@@ -45,24 +39,3 @@ def conversations(num_single: int = 24, num_multi: int = 4, long_words: int = 0)
         code = " ".join(["def f(x): return x"] * long_words)
         convs.append([{"role": "user", "content": "Explain this code: " + code}])
     return convs
-
-
-def write_ingest(cfg, tokenizer, convs: list[list[dict]]) -> pa.Table:
-    """ingest/{version}/conversations.parquet at the version `cfg` determines, as the ingest stage writes it."""
-    rows = [
-        {
-            "id": conversation_id(msgs),
-            "messages": msgs,
-            "source": f"fixture.jsonl:{i}",
-            "num_turns": sum(m["role"] == "user" for m in msgs),
-            "num_prompt_tokens": n,
-        }
-        for i, (msgs, n) in enumerate(zip(convs, prompt_lengths(tokenizer, convs), strict=True))
-    ]
-    schema = pa.schema([NORMALISED_SCHEMA.field(name) for name in CONVERSATION_COLUMNS])
-    table = pa.Table.from_pylist(rows, schema=schema)
-    out = stage.output_dir(cfg, "ingest")
-    storage.write_parquet_atomic(storage.join(out, "conversations.parquet"), table)
-    storage.write_json_atomic(storage.join(out, "summary.json"), {"rows_ok": table.num_rows})
-    storage.mark_complete(out, {"rows_ok": table.num_rows})
-    return table

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,10 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO
-
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_train_bench as gb  # noqa: E402
+from bench import gpu_train_bench as gb
+from tests.support.device_checks import tiny_bench_run
 
 pytestmark = pytest.mark.unit
 
@@ -70,13 +67,6 @@ def test_speculators_epoch_seconds_come_from_the_stamped_started_and_completed_l
     seconds = gb.epoch_seconds(log)
     assert seconds.keys() == {1, 2}  # an epoch without its completed line is left out
     assert seconds[1] == pytest.approx(9.5) and seconds[2] == pytest.approx(2.75)
-
-
-def _tiny_run(tmp_path):
-    verifier = gb.write_verifier(str(tmp_path / "verifier"), gb.TINY, "cpu")
-    samples = gb.make_samples(16, 20, 40, len(gb.AUX_TINY) + 1, gb.TINY["hidden_size"], gb.TINY["vocab_size"])
-    gen_dir, spec_dir = gb.write_both_formats(str(tmp_path), verifier, gb.TINY, gb.AUX_TINY, samples)
-    return gen_dir, gb.write_vocabs(str(tmp_path), gen_dir, spec_dir, 128, gb.TINY["vocab_size"])
 
 
 def _losses(
@@ -167,7 +157,7 @@ def _losses(
 
 
 def test_the_worker_step_and_loader_give_the_loss_curve_of_the_plain_eager_step(tmp_path):
-    gen_dir, vocab_dir = _tiny_run(tmp_path)
+    gen_dir, vocab_dir = tiny_bench_run(tmp_path)
     reference = _losses(gen_dir, vocab_dir, faster=False, num_loader_workers=0)
     faster = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
     assert len(reference) == len(faster) >= 3
@@ -175,7 +165,7 @@ def test_the_worker_step_and_loader_give_the_loss_curve_of_the_plain_eager_step(
 
 
 def test_the_new_data_path_gives_the_old_data_paths_loss_sequence_exactly(tmp_path):
-    gen_dir, vocab_dir = _tiny_run(tmp_path)
+    gen_dir, vocab_dir = tiny_bench_run(tmp_path)
     before = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=0, old_collate=True)
     after = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2)
     reused = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=2, reuse_buffers=True)
@@ -188,7 +178,7 @@ def test_the_compiled_worker_step_gives_the_eager_steps_loss_sequence(tmp_path, 
     # aot_eager: dynamo's graphs and AOTAutograd's forward/backward split, as inductor gets them, without inductor's
     # C++ codegen (with inductor this test passes too, in 51 s with a cold compile cache on 2 cores, 7 s warm)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    gen_dir, vocab_dir = _tiny_run(tmp_path)
+    gen_dir, vocab_dir = tiny_bench_run(tmp_path)
     eager = _losses(gen_dir, vocab_dir, faster=True, num_loader_workers=0, compile_mode="off", steps=4)
     torch._dynamo.reset()
     graphs_before = counters["stats"]["unique_graphs"]
@@ -204,7 +194,7 @@ def test_device_batches_on_the_cpu_are_the_loaders_batches_decoded_and_keep_host
     from eagle3_ray.train import data
     from eagle3_ray.train import worker as train_worker
 
-    gen_dir, _ = _tiny_run(tmp_path)
+    gen_dir, _ = tiny_bench_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
     kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=1)
     loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.float32), **kwargs)
@@ -246,7 +236,7 @@ def test_one_loader_iteration_runs_through_the_epochs_and_reads_the_next_epoch_b
     from eagle3_ray.train import data
     from eagle3_ray.train import worker as train_worker
 
-    gen_dir, _ = _tiny_run(tmp_path)
+    gen_dir, _ = tiny_bench_run(tmp_path)
     refs, _ = data.load_refs(gen_dir)
     kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=2)
     loader = data.make_loader(data.ShardDataset(refs, 3), **kwargs)

@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import REPO
-
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
-from check_capture import bad_tokens  # noqa: E402
-from make_verifier import build, model_config  # noqa: E402
-
+from bench.gpu.check_capture import bad_tokens
+from bench.gpu.make_verifier import build, model_config
 from eagle3_ray.core.layers import reference_hidden_states
+from tests.support import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +69,7 @@ def test_capture_check_names_the_tokens_that_hold_another_positions_state(tiny_m
 
 
 def test_cpu_shares_name_processes_by_what_they_are_not_by_what_they_run_now():
-    from cpu_shares import process_name
+    from bench.gpu.cpu_shares import process_name
 
     assert (
         process_name(["ray::MapWorker(MapBatches(EngineActor)).submit"], "ray::MapWorker(")
@@ -94,7 +91,7 @@ def test_cpu_shares_name_processes_by_what_they_are_not_by_what_they_run_now():
 
 
 def test_cpu_shares_average_cores_per_name_over_the_window_and_count_late_starters_from_zero():
-    from cpu_shares import cores
+    from bench.gpu.cpu_shares import cores
 
     snapshots = [
         (9.0, {1: ("driver", 0.5)}),  # before the window
@@ -124,7 +121,7 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
     import subprocess
     import time
 
-    from cpu_shares import CpuSampler
+    from bench.gpu.cpu_shares import CpuSampler
 
     script = tmp_path / "spin.py"
     script.write_text("while True:\n    pass\n")
@@ -144,7 +141,7 @@ def test_cpu_sampler_sees_a_busy_child_process_by_its_name(tmp_path):
 def test_generate_bench_set_overrides_its_own_config_and_a_recipes(tmp_path, monkeypatch):
     """`--set` reaches every row's config, with or without `--recipe` (the 8B shape runs without one); the row still
     sets mode and output length, and fails at its engine's first death."""
-    from generate_bench import make_cfg, parse_args
+    from bench.gpu.generate_bench import make_cfg, parse_args
 
     for recipe in ([], ["--recipe", str(REPO / "ray_jobs/configs/smollm2_cpu.yaml")]):
         argv = ["generate_bench.py", "m", "--tiny", *recipe, "--set", "generate.capture_method=extract_hidden_states"]

@@ -18,6 +18,7 @@ from eagle3_ray.core import shards
 from eagle3_ray.core.config import load_config
 from tests.support import REPO
 from tests.support.configs import generate_cfg
+from tests.support.device_checks import planned_rows_cut_by_sample_are_each_samples_planned_capture
 
 pytestmark = pytest.mark.unit
 
@@ -220,30 +221,9 @@ def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
     assert stats["norm_max"] == torch.where(finite, norms, -torch.inf).amax(dim=0).tolist()
 
 
-@pytest.mark.parametrize("device", ["cpu"])  # tests/gpu runs it with "cuda"
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
-def test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture(device, dtype):
-    """The connector encodes and takes the norms of all of an engine step's planned samples at once
-    (shards.planned_rows over their token rows one after the other); cut at each sample's rows (planned_sample) that
-    is the sample's own planned_capture (stored bytes equal, norms to fp32 rounding), zero rows and NaN/inf counted
-    in the sample they are in."""
-    lengths = [5, 1, 8, 3]
-    rows = torch.randn(sum(lengths), 3, 16, device=device).to(torch.bfloat16)  # shape: [N, L, H]
-    rows[2, 1] = 0.0  # sample 0
-    rows[5, 0, 3], rows[6, 2, :2] = torch.nan, torch.inf  # sample 1 (its only row), sample 2
-    step = shards.planned_rows(rows, dtype)
-    assert set(step) == ({"hs", "scale"} if dtype == "fp8" else {"hs"}) | {"norms", "nonfinite"}
-    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
-    nonfinite = []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-        got = shards.planned_sample({name: t[a:b].cpu() for name, t in step.items()}, f"s{i}")
-        want = {n: t.cpu() for n, t in shards.planned_capture(rows[a:b], {"key": f"s{i}", "dtype": dtype}).items()}
-        assert got.keys() == want.keys()
-        for name in set(want) - {"norms"}:
-            assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (i, name)
-        torch.testing.assert_close(got["norms"], want["norms"], rtol=1e-6, atol=0, equal_nan=True)
-        nonfinite.append(got["nonfinite"].tolist())
-    assert nonfinite == [[0, 0, 0], [1, 0, 0], [0, 0, 2], [0, 0, 0]]
+def test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture(dtype):
+    planned_rows_cut_by_sample_are_each_samples_planned_capture("cpu", dtype)  # tests/gpu runs it on "cuda"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
