@@ -12,6 +12,7 @@ one that vLLM reads right (`export.vllm_compat_layout`, by default the compat la
 would drop a flag, as vLLM 0.24 drops norm_output), and a layout asked for that it would misread ends the stage with
 one `error:` line naming the fix. summary.json records the
 checkpoint with its validation metrics (the evaluate stage's predicted acceptance) and the vLLM checked against.
+Next to `speculators/` go `speculative_config.json` and `serve.sh`, the vLLM command that serves it (core/serving.py).
 
 What is left out and why (vLLM 0.32 `Eagle3LlamaForCausalLM.load_weights` + `_maybe_share_embeddings`):
 - `embed_tokens`: without it vLLM logs "Detected EAGLE model without its own embed_tokens ... Sharing target model
@@ -35,7 +36,7 @@ from typing import Any
 
 import torch
 
-from eagle3_ray.core import contract, stage, storage, verifiers
+from eagle3_ray.core import contract, serving, stage, storage, verifiers
 from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.telemetry import log
 
@@ -153,13 +154,26 @@ def version(cfg: Config) -> str:
 def run(cfg: Config) -> dict[str, Any]:
     train_dir = stage.input_dir(cfg, "train")
     entry = pick_checkpoint(storage.read_json(storage.join(train_dir, "summary.json")), cfg.export.checkpoint)
-    return stage.run(
+    summary = stage.run(
         cfg,
         STAGE,
         version(cfg),
         lambda out: _export(cfg, entry, out),
         inputs={"train": train_dir, "checkpoint": entry["path"]},
     )
+    return {**summary, "serve": write_serving(cfg, summary)}
+
+
+def write_serving(cfg: Config, summary: dict[str, Any]) -> str:
+    """speculative_config.json and serve.sh next to `speculators/` (core/serving.py), on every run: k and the engine
+    flags come from the evaluate and verifier sections, which the export version does not hash. Nothing is measured
+    yet, so k is the middle of evaluate.num_speculative_tokens. Returns serve.sh's path."""
+    k = serving.unmeasured_k(cfg)
+    spec = serving.speculative_config(summary["speculators_dir"], k)
+    how = f"k={k}, the middle of evaluate.num_speculative_tokens (the evaluate stage writes the k it recommends)"
+    path = serving.write(cfg, summary["path"], summary["verifier_path"], spec, how)
+    log(STAGE, "serve", command=path, num_speculative_tokens=k)
+    return path
 
 
 def _export(cfg: Config, entry: dict[str, Any], out_dir: str) -> dict[str, Any]:
