@@ -190,6 +190,8 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     lines.append(f"drafter: {results['drafter_dir']}")
     if "report_dir" in results:
         lines.append(f"report: {storage.join(results['report_dir'], 'report.md')}")
+    if "serve" in results:  # evaluate.stage.write_serving: the vLLM command with the recommended k
+        lines.append(f"serving command: {results['serve']}")
     drift_checked = any("baseline_drift" in r for r in rows)
     return [*lines, *gate_lines(g, results["drafter_dir"], drift_checked=drift_checked)]
 

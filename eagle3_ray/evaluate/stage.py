@@ -14,7 +14,8 @@ pass so that they do not slow the baseline. With `evaluate.turns=both` the basel
 second turn after its own first answer (the reference pass at the lowest concurrency), and every engine decodes
 those same token ids as turn 2.
 
-Writes `evaluate/{version}/results.json`, `report.md` and two PNG plots. The version hashes only what the
+Writes `evaluate/{version}/results.json`, `report.md`, two PNG plots, and the serving config with the recommended k
+(`speculative_config.json`, `serve.sh`: core/serving.py). The version hashes only what the
 measurement depends on, not the gate's thresholds: re-running with other thresholds re-applies the gate (gate.py) to
 the stored results without starting an engine. A miss raises `DeployGateError` (the job exits non-zero) unless
 `evaluate.report_only`.
@@ -27,7 +28,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from eagle3_ray.core import contract, stage, storage, verifiers
+from eagle3_ray.core import contract, serving, stage, storage, verifiers
 from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.prompts import tiny_prompts
 from eagle3_ray.core.telemetry import log
@@ -616,8 +617,22 @@ def run(cfg: Config) -> dict[str, Any]:
         "report_dir": summary["path"],  # the job's last lines name its report.md
     }
     results["gate"] = gate.gate(results["rows"], cfg.evaluate)
+    results["serve"] = write_serving(cfg, summary["path"], results)  # the job's last lines name it
     report.write(summary["path"], results)
     return _verdict(cfg, results)
+
+
+def write_serving(cfg: Config, out_dir: str, results: dict[str, Any]) -> str:
+    """speculative_config.json and serve.sh (core/serving.py) into this stage's output dir with the k the gate
+    recommends for every load, and speculation off above the highest concurrency where that k was measured faster
+    (speedup >= 1) when every higher level measured was slower. Returns serve.sh's path."""
+    k = results["gate"]["recommended_num_speculative_tokens"]
+    schedule = serving.speculation_schedule(results["rows"], k)
+    spec = serving.speculative_config(results["drafter_dir"], k, schedule)
+    how = f"k={k}, the one k the evaluation recommends for every load" + (
+        f"; speculation off above {schedule[0][1]} concurrent requests, where it measured slower" if schedule else ""
+    )
+    return serving.write(cfg, out_dir, results["verifier_path"], spec, how)
 
 
 def _measure(
