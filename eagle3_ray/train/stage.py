@@ -12,7 +12,7 @@ resubmitted job with the same config finds Ray's snapshot in the same dir and re
 from __future__ import annotations
 
 from eagle3_ray.core import stage, storage
-from eagle3_ray.core.config import Config, versioned
+from eagle3_ray.core.config import Config, UserError, versioned
 from eagle3_ray.core.telemetry import log, metrics, read_jsonl
 from eagle3_ray.train import checkpoints, data, init_from, vocab
 
@@ -59,8 +59,9 @@ def prepare_samples(gen_dir: str, capture: dict, cfg: Config) -> tuple[list[data
 
 
 def check_split(num_train: int, num_val: int, cfg: Config) -> None:
+    """Before Ray Train starts: every worker gets at least one training and one validation sample."""
     if num_val < cfg.train.num_workers or num_train < cfg.train.num_workers:
-        raise ValueError(
+        raise UserError(
             f"train.val_fraction={cfg.train.val_fraction} leaves {num_train} train and {num_val} "
             f"validation samples; each of {cfg.train.num_workers} workers needs one of each"
         )

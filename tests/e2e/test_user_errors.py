@@ -4,16 +4,20 @@ traceback, nothing written into the run."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from eagle3_ray.core import cli
-from eagle3_ray.core.config import UserError
+from eagle3_ray.core.config import UserError, load_config
 from tests.support import REPO
+from tests.support.generate_output import point_generate_at, shared_generate_output
 
 pytestmark = pytest.mark.e2e
+
+GEN = {"num_samples": 40, "max_new_tokens": 40}  # the train tests' shared generate output
 
 
 def test_ingest_on_an_empty_file_prints_one_line_and_exits_2(tmp_path, _isolated_env):
@@ -53,3 +57,30 @@ def test_a_user_error_raised_in_a_ray_task_or_actor_is_found_behind_rays_wrapper
         ray.get(Engine.remote().load.remote())
     assert str(cli.find_user_error(in_task.value)) == "bad row in a task"
     assert str(cli.find_user_error(in_actor.value)) == "model file will not load"
+
+
+def test_a_split_that_leaves_a_worker_without_samples_ends_train_with_one_line_and_exit_2(
+    tmp_path, tmp_path_factory, tiny_llama, _isolated_env
+):
+    """Found in the driver once the samples are known, before Ray Train starts: no traceback, no checkpoint."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"run: {{storage_path: {tmp_path / 'runs'}, name: split}}\ntrain: {{num_workers: 64}}\n")
+    point_generate_at(load_config(str(recipe), []), shared_generate_output(tmp_path_factory, tiny_llama, **GEN))
+    proc = subprocess.run(
+        [sys.executable, "ray_jobs/train.py", str(recipe)],
+        cwd=REPO,
+        env={**os.environ, **_isolated_env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: train.val_fraction=0.1 leaves \d+ train and \d+ validation samples; each of 64 "
+        r"workers needs one of each",
+        errors[0],
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not list((tmp_path / "runs").rglob("checkpoint*"))
