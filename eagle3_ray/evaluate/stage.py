@@ -469,7 +469,7 @@ def fp32_recheck(
 
 
 def check_serving_vllm(drafter_dir: str, capture: dict[str, Any]) -> None:
-    """Before any engine starts: would the vLLM installed here misread the drafter (contract.SERVING_VLLM)?"""
+    """Before any engine starts: would the vLLM installed here misread the drafter (vllm_support.MEASURED)?"""
     version = contract.installed_vllm_version()
     assert version is not None, "the evaluate stage runs vLLM, so one is installed"
     contract.check_serving(
@@ -577,7 +577,7 @@ def _gap_message(k: int, predicted: float, measured: float, info: dict[str, Any]
         f"k={k}: vLLM measured mean acceptance length {measured:.3f} on {where}, training's replay predicted "
         f"{predicted:.3f} (gap {measured - predicted:+.3f}, tolerance {PREDICTION_TOLERANCE}): likely a contract "
         f"problem. Check the aux layer ids vLLM feeds the drafter ({info['aux_layer_ids']}) against the capture, "
-        f"the drafter flags as this vLLM reads them ({info['drafter_flags']}; contract.SERVING_VLLM), and that the "
+        f"the drafter flags as this vLLM reads them ({info['drafter_flags']}; vllm_support.MEASURED), and that the "
         "prompts go through the verifier's chat template as in training"
         + ("; a held-out set unlike the training data also opens a gap" if where == "the evaluation prompts" else "")
     )
