@@ -1,7 +1,8 @@
 """Choose the draft length and apply the deploy gate, from the measured rows alone (no engine, no Ray).
 
     recommended = recommend(rows)         # per concurrency: the fastest measured k and its speedup
-    verdict = gate(rows, cfg.evaluate)    # {"passed", "recommended", "recommended_num_speculative_tokens", "misses"}
+    verdict = gate(rows, cfg.evaluate)    # {"passed", "recommended", "recommended_num_speculative_tokens", "misses",
+                                          #  "baseline_moved", "thresholds"}
 
 The drafter is judged as it would be deployed: at each concurrency level with the k recommended there, so one slow k
 does not fail a drafter that is fast at another. Speed and acceptance thresholds apply to the recommended k of each
@@ -50,8 +51,10 @@ def min_speedup(section: EvaluateConfig, concurrency: int) -> float | None:
 
 def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
     """The verdict on the measured rows under `section`'s thresholds: passed when, at every concurrency, the
-    recommended k meets `min_speedup` and `min_acceptance_length`, and (with `require_identical_outputs`) no measured
-    row has an output difference attributed to the drafter. `misses` names each failed threshold."""
+    recommended k meets `min_speedup` and `min_acceptance_length`, (with `require_identical_outputs`) no measured
+    row has an output difference attributed to the drafter, and plain decoding's two passes agree within
+    `max_baseline_drift`. `misses` names each failed threshold; `baseline_moved` lists the concurrencies where plain
+    decoding's rate moved past `max_baseline_drift` (the speedups there cannot be trusted, either way)."""
     by_key = {(r["num_speculative_tokens"], r["concurrency"]): r for r in rows}
     recommended = recommend(rows)
     misses = []
@@ -68,9 +71,10 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
             )
     if section.require_identical_outputs:
         misses += [_identity_miss(by_key[key]) for key in sorted(by_key) if _num_drafter(by_key[key])]
-    drift = section.max_baseline_drift
+    drift, moved = section.max_baseline_drift, []
     for r in (r for r in rows if not r["num_speculative_tokens"] and "baseline_drift" in r):
         if drift is not None and abs(r["baseline_drift"]) > drift:  # rows of a run with evaluate.baseline_again
+            moved.append(r["concurrency"])
             misses.append(
                 f"c={r['concurrency']}: plain decoding ran at {r['tokens_per_s']:.1f} tokens/s before the drafter "
                 f"engines and {r['tokens_per_s_again']:.1f} after ({r['baseline_drift']:+.1%}, max_baseline_drift "
@@ -83,6 +87,7 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
         "recommended": recommended,
         "recommended_num_speculative_tokens": one_k(rows),
         "misses": misses,
+        "baseline_moved": moved,
         "thresholds": thresholds,
     }
 

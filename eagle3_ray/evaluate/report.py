@@ -213,6 +213,11 @@ def gate_lines(g: dict[str, Any], drafter_dir: str, *, drift_checked: bool = Fal
     t = g["thresholds"]
     if not g["passed"]:
         head = "deploy gate: FAIL: do not deploy this drafter"
+        if g.get("baseline_moved"):  # .get: results gated before the key existed
+            head = (
+                "deploy gate: FAIL: plain decoding's speed moved during the measurement, so the speedup above cannot "
+                "be trusted; remove the report's directory and run --stages evaluate again with nothing else running"
+            )
         if t.get("report_only"):
             head += " (evaluate.report_only: the verdict is reported and the job still succeeds)"
         return [head, *(f"  miss: {m}" for m in g["misses"])]

@@ -75,3 +75,12 @@ def test_the_pass_line_names_only_the_checks_that_ran():
     per_c = report.verdict_lines(results_at_c1(1.05, min_speedup={1: 1.02}, require_identical_outputs=False))
     assert per_c[-2] == "deploy gate: PASS (speedup >= 1.02 at c=1)"
     assert report.verdict_lines(results_at_c1(1.0))[1].endswith("without the drafter: as fast as without it")
+
+
+def test_a_fail_because_plain_decoding_moved_says_the_speedup_cannot_be_trusted_and_how_to_measure_again():
+    results = results_at_c1(1.39, drift=0.537, report_only=True)
+    assert results["gate"]["baseline_moved"] == [1]
+    lines = report.verdict_lines(results)
+    assert lines[-2].startswith("deploy gate: FAIL: plain decoding's speed moved during the measurement, so the ")
+    assert "run --stages evaluate again with nothing else running" in lines[-2] and "do not deploy" not in lines[-2]
+    assert lines[-1].startswith("  miss: c=1: plain decoding ran at 25.0 tokens/s before the drafter engines and 38.4")
