@@ -135,6 +135,13 @@ def read_weights(path: str, expected_sha256: str | None = None) -> tuple[dict[st
     return load_safetensors(data), digest
 
 
+def drafter_token_ids(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The verifier token id of each row of a drafter's lm_head; none when it ships no head (a drafter over the
+    whole vocabulary may leave it to the verifier's)."""
+    head = tensors.get("lm_head.weight")
+    return torch.zeros(0, dtype=torch.long) if head is None else draft_token_ids(tensors.get("d2t"), head.shape[0])
+
+
 def head_row_counts(old_ids: torch.Tensor, new_ids: torch.Tensor) -> dict[str, int]:
     """How many of the run's draft tokens (`new_ids`) take their head row from the drafter's (`old_ids`)."""
     kept = int(torch.isin(new_ids, old_ids).sum())
@@ -149,12 +156,13 @@ def load_into(model, path: str, expected_sha256: str) -> dict[str, int]:
 
     tensors, _digest = read_weights(path, expected_sha256)
     state = {k: v for k, v in tensors.items() if not k.startswith(NOT_LOADED)}
-    old_rows = tensors["lm_head.weight"]
-    old_ids = draft_token_ids(tensors.get("d2t"), old_rows.shape[0])
-    new_ids = draft_token_ids(model.d2t, model.draft_vocab_size)
-    state["lm_head.weight"], _kept = remap_head_rows(old_rows, old_ids, model.lm_head.weight, new_ids)
+    old_ids, new_ids = drafter_token_ids(tensors), draft_token_ids(model.d2t, model.draft_vocab_size)
+    if len(old_ids):
+        state["lm_head.weight"], _kept = remap_head_rows(
+            tensors["lm_head.weight"], old_ids, model.lm_head.weight, new_ids
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
-    left = set(missing) - set(FROZEN_KEYS) - {"d2t", "t2d"}
+    left = set(missing) - set(FROZEN_KEYS) - {"d2t", "t2d", "lm_head.weight"}  # no head shipped: the verifier's rows
     if unexpected or left:
         raise ValueError(
             f"train.init_from={path} does not fit the run's drafter: missing={left} unexpected={unexpected}"
@@ -166,7 +174,6 @@ def record(path: str, run_d2t: torch.Tensor | None, run_draft_vocab_size: int) -
     """The train summary's `init_from`, logged: the path, the sha256 of model.safetensors, and where the head rows
     of the run's draft vocabulary (`run_d2t`, None over the whole verifier vocabulary) come from."""
     tensors, digest = read_weights(path)
-    old_ids = draft_token_ids(tensors.get("d2t"), tensors["lm_head.weight"].shape[0])
-    counts = head_row_counts(old_ids, draft_token_ids(run_d2t, run_draft_vocab_size))
+    counts = head_row_counts(drafter_token_ids(tensors), draft_token_ids(run_d2t, run_draft_vocab_size))
     log("train", "init_from", path=path, sha256=digest, **counts, new_rows_from=NEW_ROWS_FROM)
     return {"path": path, "sha256": digest, "draft_vocab": {**counts, "new_rows_from": NEW_ROWS_FROM}}

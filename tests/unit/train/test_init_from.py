@@ -90,6 +90,13 @@ def test_head_rows_follow_their_tokens_into_the_new_draft_vocabulary_and_new_tok
 def test_draft_ids_map_to_verifier_tokens_through_d2t_offsets_or_as_they_are_without_d2t():
     assert init_from.draft_token_ids(torch.tensor([3, 3, 10]), 3).tolist() == [3, 4, 12]
     assert init_from.draft_token_ids(None, 4).tolist() == [0, 1, 2, 3]
+    no_head = init_from.drafter_token_ids({"fc.weight": torch.zeros(2, 6)})  # leaves the head to the verifier's
+    assert init_from.head_row_counts(no_head, torch.tensor([4, 5])) == {
+        "drafter": 0,
+        "run": 2,
+        "rows_from_drafter": 0,
+        "new_rows": 2,
+    }
 
 
 def test_init_from_is_part_of_the_train_version_and_a_local_path_is_made_absolute(tmp_path, monkeypatch):
