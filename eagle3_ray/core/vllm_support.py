@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,28 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), attribute)
     globals()[name] = value
     return value
+
+
+# The logger of AsyncLLM's output handler, which logs the end of its EngineCore as an ERROR with a traceback
+# ("AsyncLLM output_handler failed." ... EngineDeadError), also when the engine's owner ends on purpose.
+ASYNC_LLM_LOGGER = "vllm.v1.engine.async_llm"
+
+
+class EngineDeathLogged(logging.Filter):
+    """Drops the output handler's EngineDeadError record: the engine actor reports an engine's death itself, in
+    one `engine_dead` line with the pid (and the EngineCore process logs its own root cause), and an engine that a
+    finished stage retires is no death at all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and type(error).__name__ == "EngineDeadError")
+
+
+def quiet_engine_death_log() -> None:
+    """Install EngineDeathLogged on AsyncLLM's logger, once per process."""
+    logger = logging.getLogger(ASYNC_LLM_LOGGER)
+    if not any(isinstance(f, EngineDeathLogged) for f in logger.filters):
+        logger.addFilter(EngineDeathLogged())
 
 
 def major_minor(version: str) -> tuple[int, int]:

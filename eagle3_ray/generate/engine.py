@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
@@ -334,13 +335,19 @@ class EngineActor:
         self.writer = commit.CaptureWriter(self.cfg.generate.hidden_states_dtype, self.cfg.generate.writer_threads)
         self.in_flight: set[str] = set()  # units with requests in the engine
         self._death_recorded = threading.Lock()
-        self.requests = RequestLoop(self.engine, self.record_death)
-        # Ray Data retires a finished stage's actors by letting their processes exit: stop the engine first, so
-        # its end is neither logged nor counted as a death (registered after vLLM's own exit hooks: runs before them)
+        # The loop and the process watch hold this actor weakly, so Ray Data's release of a finished stage's actor
+        # reaches __del__, which stops the engine while the process still runs (atexit: when it exits first)
+        on_death = _weak_call(self.record_death)
+        self.requests = RequestLoop(self.engine, on_death)
         atexit.register(self.requests.close)
         engine_procs = self._record_pids()
-        args = (engine_procs, self.record_death, self.requests.retiring)
+        args = (engine_procs, on_death, self.requests.retiring)
         threading.Thread(target=_exit_when_engine_dies, args=args, daemon=True).start()
+
+    def __del__(self) -> None:
+        requests = getattr(self, "requests", None)  # None: __init__ failed before the engine was up
+        if requests is not None:
+            requests.close()
 
     def record_death(self, error: str) -> None:
         """The engine died: count a failed attempt for each unit in flight (commit.check_attempts refuses a unit
@@ -551,6 +558,18 @@ class RegenerateActor(EngineActor):
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
     if not future.done():
         future.set_exception(error) if error else future.set_result(result)
+
+
+def _weak_call(method: Callable[[str], None]) -> Callable[[str], None]:
+    """`method`, called through a weak reference to its object (a no-op once the object is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(error: str) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(error)
+
+    return call
 
 
 def _exit_when_engine_dies(

@@ -37,8 +37,9 @@ def start_async_engine(kwargs: dict[str, Any]):
     `compilation_config` are vLLM's EngineArgs' own business."""
     from vllm import AsyncEngineArgs
 
-    from eagle3_ray.core.vllm_support import AsyncLLM, KVTransferConfig, UsageContext
+    from eagle3_ray.core.vllm_support import AsyncLLM, KVTransferConfig, UsageContext, quiet_engine_death_log
 
+    quiet_engine_death_log()
     kwargs = {"disable_log_stats": True, **kwargs}
     if isinstance(kwargs.get("kv_transfer_config"), dict):
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])

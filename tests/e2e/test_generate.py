@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -304,6 +305,10 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
     out = _out_dir_while_running(cfg)
     os.kill(_engine_core_pid(out), signal.SIGKILL)
     assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
+    # neither the engine's death (one engine_dead line of the actor) nor the finished stage's retirement of its
+    # actors logs an ERROR or a traceback
+    noisy = [line for line in log.read_text().splitlines() if re.search(r"\bERROR\b|Traceback", line)]
+    assert not noisy, "\n".join(noisy[:20])
     summary = storage.read_json(str(Path(out, "summary.json")))
     assert summary["rows_ok"] == table.num_rows  # the over-long sample ran alone
     assert len(list(Path(out, "engines").glob("*.json"))) >= 2, "the engine actor was not restarted"
