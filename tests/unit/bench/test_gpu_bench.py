@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.gpu.check_capture import bad_tokens
-from bench.gpu.make_verifier import build, model_config
+from bench.gpu.make_verifier import build, model_config, weight_shapes
 from eagle3_ray.core.layers import reference_hidden_states
 from tests.support import REPO
 
@@ -32,8 +32,6 @@ def tiny_model(tiny_dir):
 
 
 def test_llama3_8b_preset_has_the_real_shape_and_parameter_count(tmp_path):
-    from make_verifier import weight_shapes
-
     cfg = model_config("llama3-8b", None, None)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     num_params = sum(s.numel() for s in weight_shapes(tmp_path).values())
