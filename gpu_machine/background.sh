@@ -3,16 +3,16 @@
 # wait for it. A process in its own session (setsid) runs on until the machine goes back (30 s after the last call
 # ends), so no stage has to fit one call.
 #
-#   E3R_RECIPE=... E3R_OVERRIDES='...' E3R_STAGES=ingest,generate,train,export bash bench/gpu/background.sh start
-#   E3R_RECIPE=... E3R_STAGES=... [E3R_RECOVERY=1] bash bench/gpu/background.sh as-written   # no overrides
-#   bash bench/gpu/background.sh wait [seconds]     # each later call, back to back: waits (default 560 s) for the
+#   E3R_RECIPE=... E3R_OVERRIDES='...' E3R_STAGES=ingest,generate,train,export bash gpu_machine/background.sh start
+#   E3R_RECIPE=... E3R_STAGES=... [E3R_RECOVERY=1] bash gpu_machine/background.sh as-written   # no overrides
+#   bash gpu_machine/background.sh wait [seconds]     # each later call, back to back: waits (default 560 s) for the
 #                                                   # job, copies its logs and results into $OUT, prints its events
 #
 # The job's log is /tmp/bg/recipe_<stages>.log, its results (run_checks.sh recipe) in /tmp/bg, its exit status in
 # /tmp/bg/DONE. Do not change the repository's tracked files between the calls: each call copies the working tree
 # again, and the job imports modules as its stages reach them.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 bg=/tmp/bg
 case "${1:-}" in
 start)
@@ -20,7 +20,7 @@ start)
     stages="${E3R_STAGES:?set E3R_STAGES}"
     log="$bg/recipe_${stages//,/_}.log"
     # shellcheck disable=SC2016  # expanded by the job's shell
-    setsid nohup bash -c 'date -u +"start %FT%TZ $E3R_STAGES"; OUT=/tmp/bg bash bench/gpu/run_checks.sh recipe;
+    setsid nohup bash -c 'date -u +"start %FT%TZ $E3R_STAGES"; OUT=/tmp/bg bash gpu_machine/run_checks.sh recipe;
         rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
     echo "started: $stages, log $log"
     ;;
@@ -34,12 +34,12 @@ as-written)
     stages="${E3R_STAGES:?set E3R_STAGES}"
     log="$bg/recipe_${stages//,/_}.log"
     # shellcheck disable=SC2016  # expanded by the job's shell
-    setsid nohup bash -c 'cd /tmp/bgrepo && source bench/gpu/env.sh && date -u +"start %FT%TZ $E3R_STAGES";
+    setsid nohup bash -c 'cd /tmp/bgrepo && source gpu_machine/env.sh && date -u +"start %FT%TZ $E3R_STAGES";
         if [ -n "${E3R_RECOVERY:-}" ]; then
             "${PY:-python3}" bench/gpu/recovery.py kill-engine "runs/*" > /tmp/bg/kill_engine.log 2>&1 &
             export EAGLE3_RAY_TEST_KILL_WORKER_AT="${E3R_KILL_WORKER_AT:-1,300}"
         fi
-        E3R_AS_WRITTEN=1 OUT=/tmp/bg bash bench/gpu/run_checks.sh recipe;
+        E3R_AS_WRITTEN=1 OUT=/tmp/bg bash gpu_machine/run_checks.sh recipe;
         rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
     echo "started as written: $stages, log $log"
     ;;

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Runs HERE (CPU, with PyPI): download the wheels the H200 machines (no internet) lack, pack them into call-sized groups.
 #
-#   bash bench/gpu/build_wheels.sh            # -> .whl/all/*.whl, .whl/g1 .. .whl/gN, bench/gpu/{wheels,parts}.sha256
+#   bash gpu_machine/build_wheels.sh    # -> .whl/all/*.whl, .whl/g1 .. .whl/gN, gpu_machine/{wheels,parts}.sha256
 #
 # One device call carries at most 64 MiB (working tree + carry), so the wheels travel as one deterministic tar stream
 # cut into PART_MIB pieces, one piece per group folder .whl/gK (one call's `carry`). On the device
-# bench/gpu/stage_wheels.sh collects the pieces in /tmp/wheels and bench/gpu/install.sh joins and installs them.
+# gpu_machine/stage_wheels.sh collects the pieces in /tmp/wheels and gpu_machine/install.sh joins and installs them.
 # The tar is byte-reproducible (sorted names, fixed owner and mtime), so the committed sha256 lists match a rebuild.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 PART_MIB="${PART_MIB:-55}"
 PY="${PY:-.venv/bin/python}"
-here=bench/gpu
+here=gpu_machine
 platforms=""
 for n in 39 38 35 34 31 28 27 24 17; do platforms+=" --platform manylinux_2_${n}_x86_64"; done
 platforms+=" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform linux_x86_64 --platform any"

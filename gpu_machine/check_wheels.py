@@ -1,11 +1,11 @@
 """Check the wheel set for the H200 machines (no internet access) here, on CPU, before any GPU run.
 
-    .venv/bin/python -m bench.gpu.check_wheels .whl/all
+    .venv/bin/python gpu_machine/check_wheels.py .whl/all
 
 For every wheel: it is a valid zip (all CRCs), its tags install on CPython 3.12 / manylinux_2_39 x86_64, and it is
 the only version of its name. Then, from the roots (vllm, speculators, ray[data,train,default]), every Requires-Dist
 that applies on Python 3.12 Linux is followed: it must be met by a carried wheel (version checked) or by a package on
-the image (bench/gpu/image_packages.txt; version checked where known, assumed where the image list gives no version).
+the image (gpu_machine/image_packages.txt; version checked where known, assumed where the image list gives no version).
 Needs left out on purpose (NOT_NEEDED, each with its reason) and conflicts seen working there are reported, not failed.
 Exit status 1 when anything else is unmet or in conflict.
 """

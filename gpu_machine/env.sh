@@ -1,6 +1,6 @@
-# Source ON the device (`source bench/gpu/env.sh`) at the start of every call after the install: the carried packages
+# Source ON the device (`source gpu_machine/env.sh`) at the start of every call after the install: the carried packages
 # live in /tmp/site (kept while the machine stays warm), the project is the repo root that travels with each call.
-_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export E3R_SITE="${E3R_SITE:-/tmp/site}"
 export PYTHONPATH="$E3R_SITE:$_repo${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$E3R_SITE/bin:$PATH"

@@ -1,33 +1,33 @@
 #!/usr/bin/env bash
 # Runs ON the device after every group was staged: join the pieces, check every wheel against
-# bench/gpu/wheels.sha256, install them into /tmp/site (no index, no dependency resolution: the set is complete and
+# gpu_machine/wheels.sha256, install them into /tmp/site (no index, no dependency resolution: the set is complete and
 # checked by check_wheels.py), then print the versions that matter. A second run on the same machine is a no-op.
 #
-#   bash bench/gpu/stage_wheels.sh .whl/g8 && bash bench/gpu/install.sh && source bench/gpu/env.sh && ...
+#   bash gpu_machine/stage_wheels.sh .whl/g8 && bash gpu_machine/install.sh && source gpu_machine/env.sh && ...
 #
 # PIP_TARGET_FLAGS lets the same script be rehearsed on another Python (here: CPython 3.11 installing the cp312 set,
 # e.g. PIP_TARGET_FLAGS="--python-version 3.12 --platform manylinux_2_39_x86_64 ... --only-binary=:all:").
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 wheels="${E3R_WHEELS:-/tmp/wheels}"
 site="${E3R_SITE:-/tmp/site}"
 stamp="$site/.eagle3_ray_wheels.sha256"
 PY="${PY:-python3}"
 
-if [ -f "$stamp" ] && cmp -s "$stamp" bench/gpu/wheels.sha256; then
+if [ -f "$stamp" ] && cmp -s "$stamp" gpu_machine/wheels.sha256; then
     echo "install: $site already holds this wheel set"
 else
     missing=$(while read -r _ name; do [ -f "$wheels/parts/$(basename "$name")" ] || echo "${name%%/*}"; done \
-              < bench/gpu/parts.sha256 | tr "\n" " ")
+              < gpu_machine/parts.sha256 | tr "\n" " ")
     [ -z "$missing" ] || { echo "install: groups not staged on this machine: $missing" >&2; exit 1; }
     rm -rf "$wheels/all" && mkdir -p "$wheels/all"
     cat "$wheels"/parts/wheels.tar.part-* | tar -x -C "$wheels/all"
-    (cd "$wheels/all" && sha256sum --quiet -c -) < bench/gpu/wheels.sha256
+    (cd "$wheels/all" && sha256sum --quiet -c -) < gpu_machine/wheels.sha256
     start_s=$(date +%s)
     # shellcheck disable=SC2086  # PIP_TARGET_FLAGS is a list of flags
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         ${PIP_TARGET_FLAGS:-} "$wheels"/all/*.whl
-    cp bench/gpu/wheels.sha256 "$stamp"
+    cp gpu_machine/wheels.sha256 "$stamp"
     echo "install: $(ls "$wheels"/all/*.whl | wc -l) wheels into $site in $(( $(date +%s) - start_s )) s"
 fi
 # The project travels as the repository on PYTHONPATH, not as an installed package: its entry points
@@ -43,8 +43,8 @@ with open(f"{sys.argv[1]}/entry_points.txt", "w") as f:
 PY
 [ -n "${PIP_TARGET_FLAGS:-}" ] && exit 0  # a rehearsal on another Python cannot import the cp312 set
 
-# shellcheck source=bench/gpu/env.sh
-source bench/gpu/env.sh
+# shellcheck source=gpu_machine/env.sh
+source gpu_machine/env.sh
 "$PY" - <<'PY'
 import importlib.metadata as md
 names = ["torch", "vllm", "ray", "speculators", "transformers", "numpy", "numba", "pyarrow", "datasets",

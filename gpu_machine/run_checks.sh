@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs ON the device after bench/gpu/install.sh (same warm machine), one or more steps per call; each step's log
+# Runs ON the device after gpu_machine/install.sh (same warm machine), one or more steps per call; each step's log
 # and results land in $OUT, which comes back. Steps:
 #   verifier       build the Llama-3.1-8B-shaped verifier with random bf16 weights in /tmp/verifiers (kept while warm)
 #   generate       ingest + generate stages through ray_jobs/pipeline.py with bench/gpu/h200_llama3_8b.yaml
@@ -13,17 +13,17 @@
 #   generate_bench the generate stage (generate, two_pass, capture_only) vs plain vLLM generation, the engine with
 #                  capture in one call and connector-level prefill capture, same prompts (bench/gpu/generate_bench.py)
 #
-#   bash bench/gpu/run_checks.sh verifier generate check
-#   bash bench/gpu/run_checks.sh capture_bench
-#   E3R_GENERATE_BENCH_ARGS="--out-lens 256" bash bench/gpu/run_checks.sh generate_bench
+#   bash gpu_machine/run_checks.sh verifier generate check
+#   bash gpu_machine/run_checks.sh capture_bench
+#   E3R_GENERATE_BENCH_ARGS="--out-lens 256" bash gpu_machine/run_checks.sh generate_bench
 #
-# Rehearsal here on CPU (tiny verifier, few prompts): E3R_CPU=1 PY=.venv/bin/python bash bench/gpu/run_checks.sh ...
+# Rehearsal here on CPU (tiny verifier, few prompts): E3R_CPU=1 PY=.venv/bin/python bash gpu_machine/run_checks.sh ...
 # Knobs: E3R_PRESET, E3R_VERIFIER, E3R_RUNS, E3R_RECIPE, E3R_OVERRIDES (extra section.field=value for the
 # pipeline), E3R_BENCH_ARGS (extra capture_bench.py arguments), E3R_GENERATE_BENCH_ARGS (extra generate_bench.py
 # arguments, e.g. --out-lens 2048 --modes plain,capture,stage_generate,stage_two_pass).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-source bench/gpu/env.sh
+cd "$(dirname "$0")/.."
+source gpu_machine/env.sh
 PY="${PY:-python3}"
 OUT="${OUT:-/tmp/e3r_out}"
 mkdir -p "$OUT"

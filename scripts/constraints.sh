@@ -4,7 +4,7 @@
 #        wheels install.sh removes after installing them.
 #   gpu: pip's resolver, without installing, for Linux x86-64 (glibc >= 2.35, CPython 3.11; the same pins resolve
 #        for 3.12), of vllm==0.24.0 with the project's dependencies and dev extra; releases seen working on the
-#        H200 and H100 machines (bench/gpu/wheels.txt) are kept where they resolve.
+#        H200 and H100 machines (gpu_machine/wheels.txt) are kept where they resolve.
 # Change a pin in pyproject.toml first, then regenerate; tests/unit/core/test_install_pins.py checks they agree.
 set -euo pipefail
 flavor="${1:-}"
@@ -37,7 +37,7 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 extras = project["optional-dependencies"]
 print("\n".join(project["dependencies"] + extras["gpu"] + extras["dev"]))
 EOF
-    grep -h '==' bench/gpu/wheels.txt | sed 's/#.*//' | grep -v '^cuda-tile==' > "$tmp/seen.txt"
+    grep -h '==' gpu_machine/wheels.txt | sed 's/#.*//' | grep -v '^cuda-tile==' > "$tmp/seen.txt"
     platforms=()
     for minor in $(seq 35 -1 5); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
     "$venv/bin/python" -m pip install -q --dry-run --ignore-installed --report "$tmp/report.json" \

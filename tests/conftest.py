@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
         if tiers == ["unit"] and E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid}: a unit test uses an e2e fixture; move it to tests/e2e")
     # `gpu` tests need CUDA: on a machine without it they are deselected (not skipped) and said so in the summary;
-    # `bash bench/gpu/run_checks.sh pytest_gpu` runs them on the H200.
+    # `bash gpu_machine/run_checks.sh pytest_gpu` runs them on the H200.
     import torch
 
     if not torch.cuda.is_available():
@@ -80,7 +80,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if getattr(config, "_eagle3_gpu_deselected", 0):
         terminalreporter.write_line(
             f"{config._eagle3_gpu_deselected} gpu test(s) deselected: no CUDA here "
-            "(bash bench/gpu/run_checks.sh pytest_gpu runs them on a GPU)"
+            "(bash gpu_machine/run_checks.sh pytest_gpu runs them on a GPU)"
         )
 
 

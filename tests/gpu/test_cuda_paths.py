@@ -1,4 +1,4 @@
-"""The CUDA variants of unit-tier checks: run on an H200 machine (`bash bench/gpu/run_checks.sh pytest_gpu`)."""
+"""The CUDA variants of unit-tier checks: run on an H200 machine (`bash gpu_machine/run_checks.sh pytest_gpu`)."""
 
 import pytest
 import torch

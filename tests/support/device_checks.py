@@ -1,4 +1,4 @@
-"""Checks that the unit tier runs on the CPU and tests/gpu runs again on CUDA (`bash bench/gpu/run_checks.sh
+"""Checks that the unit tier runs on the CPU and tests/gpu runs again on CUDA (`bash gpu_machine/run_checks.sh
 pytest_gpu`), and the tiny training data both tiers read."""
 
 from __future__ import annotations
