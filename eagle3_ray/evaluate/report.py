@@ -18,7 +18,6 @@ The gate's `recommended` (gate.py) names the fastest k at each concurrency.
 from __future__ import annotations
 
 import io
-import json
 from typing import Any
 
 from eagle3_ray.core import storage
@@ -193,7 +192,7 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     if "serve" in results:  # evaluate.stage.write_serving: the vLLM command with the recommended k
         lines.append(f"serving command: {results['serve']}")
     drift_checked = any("baseline_drift" in r for r in rows)
-    return [*lines, *gate_lines(g, results["drafter_dir"], drift_checked=drift_checked)]
+    return [*lines, *gate_lines(g, drift_checked=drift_checked)]
 
 
 def _requests(concurrency: int) -> str:
@@ -206,9 +205,9 @@ def _faster(speedup: float) -> str:
     return f"decoding is {abs(speedup - 1):.0%} {'faster' if speedup > 1 else 'slower'} with it"
 
 
-def gate_lines(g: dict[str, Any], drafter_dir: str, *, drift_checked: bool = False) -> list[str]:
-    """`deploy gate: PASS (what was checked)` and how vLLM serves the drafter, or `deploy gate: FAIL ...` and one
-    `  miss:` line per failed threshold; a FAIL under `evaluate.report_only` says that the job succeeds anyway.
+def gate_lines(g: dict[str, Any], *, drift_checked: bool = False) -> list[str]:
+    """`deploy gate: PASS (what was checked)`, or `deploy gate: FAIL ...` and one `  miss:` line per failed
+    threshold; a FAIL under `evaluate.report_only` says that the job succeeds anyway.
     `drift_checked`: plain decoding was measured twice (evaluate.baseline_again), so its steadiness was gated."""
     t = g["thresholds"]
     if not g["passed"]:
@@ -228,11 +227,7 @@ def gate_lines(g: dict[str, Any], drafter_dir: str, *, drift_checked: bool = Fal
         checked.append("no greedy output changed by the drafter")
     if drift_checked and t.get("max_baseline_drift") is not None:
         checked.append(f"plain decoding's speed steady within {t['max_baseline_drift']:.0%}")
-    spec = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": g["recommended_num_speculative_tokens"]}
-    return [
-        f"deploy gate: PASS ({'; '.join(checked)})",
-        f"  serve it: vLLM with speculative_config={json.dumps(spec)}",
-    ]
+    return [f"deploy gate: PASS ({'; '.join(checked)})"]
 
 
 def _speed_check(min_speedup: float | dict | None) -> str:

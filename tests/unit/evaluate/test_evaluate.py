@@ -199,7 +199,7 @@ def test_report_and_summary_name_the_fastest_k_per_concurrency_and_the_identity_
     )
     table = report.summary_table(results)
     assert "fastest k: c=1 k=3 (1.60x), c=4 k=1 (1.10x); one k for every load: 1" in table
-    assert "7/0/1/0/0" in table and table.splitlines()[-2].startswith("deploy gate: PASS (speedup >= 1.0 at every")
+    assert "7/0/1/0/0" in table and table.splitlines()[-1].startswith("deploy gate: PASS (speedup >= 1.0 at every")
 
 
 def test_the_validation_prompts_are_the_first_of_the_splits_ids_up_to_the_first_user_turn(tmp_path):
