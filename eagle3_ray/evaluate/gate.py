@@ -2,7 +2,7 @@
 
     recommended = recommend(rows)         # per concurrency: the fastest measured k and its speedup
     verdict = gate(rows, cfg.evaluate)    # {"passed", "recommended", "recommended_num_speculative_tokens", "misses",
-                                          #  "baseline_moved", "thresholds"}
+                                          #  "too_slow", "baseline_moved", "thresholds"}
 
 The drafter is judged as it would be deployed: at each concurrency level with the k recommended there, so one slow k
 does not fail a drafter that is fast at another. Speed and acceptance thresholds apply to the recommended k of each
@@ -53,15 +53,17 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
     """The verdict on the measured rows under `section`'s thresholds: passed when, at every concurrency, the
     recommended k meets `min_speedup` and `min_acceptance_length`, (with `require_identical_outputs`) no measured
     row has an output difference attributed to the drafter, and plain decoding's two passes agree within
-    `max_baseline_drift`. `misses` names each failed threshold; `baseline_moved` lists the concurrencies where plain
-    decoding's rate moved past `max_baseline_drift` (the speedups there cannot be trusted, either way)."""
+    `max_baseline_drift`. `misses` names each failed threshold; `too_slow` lists the concurrencies that missed
+    `min_speedup`, `baseline_moved` those where plain decoding's rate moved past `max_baseline_drift` (the speedups
+    there cannot be trusted, either way)."""
     by_key = {(r["num_speculative_tokens"], r["concurrency"]): r for r in rows}
     recommended = recommend(rows)
-    misses = []
+    misses, slow = [], []
     for rec in recommended:
         k, c = rec["num_speculative_tokens"], rec["concurrency"]
         need = min_speedup(section, c)
         if need is not None and rec["speedup"] < need:
+            slow.append(c)
             misses.append(f"k={k} c={c}: speedup {rec['speedup']:.3f} < min_speedup {need} (the fastest k at c={c})")
         need = section.min_acceptance_length
         if need is not None and rec["mean_acceptance_length"] < need:
@@ -87,6 +89,7 @@ def gate(rows: list[dict[str, Any]], section: EvaluateConfig) -> dict[str, Any]:
         "recommended": recommended,
         "recommended_num_speculative_tokens": one_k(rows),
         "misses": misses,
+        "too_slow": slow,
         "baseline_moved": moved,
         "thresholds": thresholds,
     }

@@ -147,7 +147,7 @@ def recommended_line(gate: dict[str, Any]) -> str:
 
 def summary_table(results: dict[str, Any]) -> str:
     """The table a job log ends with: one line per (draft length, concurrency), the recommended k per concurrency,
-    the predictions, then the gate's verdict and its misses."""
+    the predictions, then `verdict_lines`: the same result in words, the gate's verdict and its misses last."""
     head = (
         f"{'k':>3} {'conc':>5} {'base tok/s':>11} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} "
         f"{'mean len':>9} {'same/batch/tie/fp32/drafter':>28}  per-position acceptance"
@@ -212,7 +212,12 @@ def gate_lines(g: dict[str, Any], *, drift_checked: bool = False) -> list[str]:
     t = g["thresholds"]
     if not g["passed"]:
         head = "deploy gate: FAIL: do not deploy this drafter"
-        if g.get("baseline_moved"):  # .get: results gated before the key existed
+        if g.get("too_slow"):  # .get: results gated before the key existed
+            head += (
+                "; speedup follows acceptance, which grows with training data: what recipes that train on more reach "
+                "is in docs/benchmarks.md"
+            )
+        if g.get("baseline_moved"):
             head = (
                 "deploy gate: FAIL: plain decoding's speed moved during the measurement, so the speedup above cannot "
                 "be trusted; remove the report's directory and run --stages evaluate again with nothing else running"
