@@ -169,7 +169,7 @@ def summary_table(results: dict[str, Any]) -> str:
 
 def verdict_lines(results: dict[str, Any]) -> list[str]:
     """What the job ends with, in words: acceptance and speed at the recommended k, where the drafter and the report
-    are, then the gate's verdict and each missed threshold (last, so a failed job's log ends with its reasons)."""
+    are, then the gate's verdict and each missed threshold, and last `evaluate.compare_with` where a recipe sets it."""
     g, rows = results["gate"], results["rows"]
     lines = []
     for k in sorted({rec["num_speculative_tokens"] for rec in g["recommended"]}):
@@ -192,7 +192,9 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     if "serve" in results:  # evaluate.stage.write_serving: the vLLM command with the recommended k
         lines.append(f"serving command: {results['serve']}")
     drift_checked = any("baseline_drift" in r for r in rows)
-    return [*lines, *gate_lines(g, drift_checked=drift_checked)]
+    lines += gate_lines(g, drift_checked=drift_checked)
+    compare_with = g["thresholds"].get("compare_with")  # .get: results gated before the field existed
+    return [*lines, f"for comparison, the longer recipe: {compare_with}"] if compare_with else lines
 
 
 def _requests(concurrency: int) -> str:
@@ -212,7 +214,7 @@ def gate_lines(g: dict[str, Any], *, drift_checked: bool = False) -> list[str]:
     t = g["thresholds"]
     if not g["passed"]:
         head = "deploy gate: FAIL: do not deploy this drafter"
-        if g.get("too_slow"):  # .get: results gated before the key existed
+        if g.get("too_slow") and not t.get("compare_with"):  # .get: results gated before the key existed
             head += (
                 "; speedup follows acceptance, which grows with training data: what recipes that train on more reach "
                 "is in docs/benchmarks.md"

@@ -81,3 +81,15 @@ def test_a_fail_because_plain_decoding_moved_says_the_speedup_cannot_be_trusted_
     assert lines[-2].startswith("deploy gate: FAIL: plain decoding's speed moved during the measurement, so the ")
     assert "run --stages evaluate again with nothing else running" in lines[-2] and "do not deploy" not in lines[-2]
     assert lines[-1].startswith("  miss: c=1: plain decoding ran at 25.0 tokens/s before the drafter engines and 38.4")
+
+
+def test_a_recipe_that_names_its_longer_recipe_ends_with_what_that_one_reaches():
+    longer = "smollm2_cpu.yaml reaches 1.34 tokens per verifier step and 1.20x at c=1"
+    lines = report.verdict_lines(results_at_c1(0.93, report_only=True, compare_with=longer))
+    assert (
+        lines[-3] == "deploy gate: FAIL: do not deploy this drafter (evaluate.report_only: the verdict is reported "
+        "and the job still succeeds)"
+    )
+    assert lines[-2].startswith("  miss: k=3 c=1: speedup 0.930")
+    assert lines[-1] == f"for comparison, the longer recipe: {longer}"
+    assert report.verdict_lines(results_at_c1(1.2, compare_with=longer))[-1].endswith(longer)
