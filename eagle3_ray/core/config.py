@@ -497,8 +497,9 @@ class EvaluateConfig:
     report_only: bool = field(default=False, metadata=NOT_IN_VERSION)
     """Report the gate's verdict but never fail the stage (for tiny CPU runs where speculation cannot pay)."""
     compare_with: str | None = field(default=None, metadata=NOT_IN_VERSION)
-    """One line the job ends with, after the gate's verdict: what a longer recipe for the same verifier reaches, so
-    that a short recipe's result reads against it (e.g. `smollm2_cpu.yaml: ... at c=1`). None: no such line."""
+    """One line the job ends with, after the gate's verdict, `for comparison: <this>`: what a longer recipe for the
+    same verifier reaches, so that a short recipe's result reads against it, or why this verifier cannot gain (the
+    tiny test bed). None: no such line."""
     prompts: str | None = None
     """Held-out prompts: a JSONL or Parquet file (local or URI) with `messages` (or a `prompt` string) and optionally
     `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are

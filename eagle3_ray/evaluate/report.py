@@ -194,7 +194,7 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     drift_checked = any("baseline_drift" in r for r in rows)
     lines += gate_lines(g, drift_checked=drift_checked)
     compare_with = g["thresholds"].get("compare_with")  # .get: results gated before the field existed
-    return [*lines, f"for comparison, the longer recipe: {compare_with}"] if compare_with else lines
+    return [*lines, f"for comparison: {compare_with}"] if compare_with else lines
 
 
 def _requests(concurrency: int) -> str:

@@ -91,5 +91,5 @@ def test_a_recipe_that_names_its_longer_recipe_ends_with_what_that_one_reaches()
         "and the job still succeeds)"
     )
     assert lines[-2].startswith("  miss: k=3 c=1: speedup 0.930")
-    assert lines[-1] == f"for comparison, the longer recipe: {longer}"
+    assert lines[-1] == f"for comparison: {longer}"
     assert report.verdict_lines(results_at_c1(1.2, compare_with=longer))[-1].endswith(longer)
