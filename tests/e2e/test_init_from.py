@@ -76,8 +76,9 @@ def test_a_run_started_from_an_exported_drafter_validates_better_after_its_first
         summary = train.run(cfg)
         out_dir = storage.stage_dir(cfg.run.run_dir, "train", summary["version"])
         first_val[name] = _records(out_dir, "validation")[0]
-    assert first_val["warm"]["val_loss"] < first_val["cold"]["val_loss"]
-    assert first_val["warm"]["val_acc_0"] > first_val["cold"]["val_acc_0"]
+    # validation loss, the objective both runs minimise; first-position accuracy over these 7 validation samples
+    # moves by more than the gap between the runs with whichever drafter the session trained first (60 or 100 steps)
+    assert first_val["warm"]["val_loss"] < 0.8 * first_val["cold"]["val_loss"], first_val
 
     # the draft vocabularies differ (1024 tokens of other prompts, 512 of these): adapted, logged and recorded
     weights = open(os.path.join(exported_drafter, "model.safetensors"), "rb").read()
