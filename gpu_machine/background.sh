@@ -27,8 +27,9 @@ start)
 as-written)
     # The recipe (E3R_RECIPE) exactly as a user runs it (E3R_AS_WRITTEN: no override, its own run.storage_path),
     # from a copy of the repository in /tmp/bgrepo made when it starts (its runs/ stays), so the working tree that
-    # later calls copy again never changes what the job imports. E3R_RECOVERY=1 also kills a generate engine after its second
-    # committed unit (recovery.py kill-engine) and a training worker at step 300 of epoch 1 (train/worker.py's hook).
+    # later calls copy again never changes what the job imports. E3R_RECOVERY=1 also kills a generate engine after
+    # its second committed unit (bench/gpu/recovery.py kill-engine) and a training worker at step 300 of epoch 1
+    # (E3R_KILL_WORKER_AT; train/worker.py's hook).
     mkdir -p "$bg" && rm -f "$bg/DONE"
     mkdir -p /tmp/bgrepo && tar --exclude=./.whl --exclude=./.gpu --exclude=./runs -cf - . | tar -C /tmp/bgrepo -xf -
     stages="${E3R_STAGES:?set E3R_STAGES}"
