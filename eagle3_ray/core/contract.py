@@ -203,14 +203,9 @@ def installed_vllm_version() -> str | None:
     return found[1] if found is not None else None
 
 
-def serving_vllm(version: str) -> vllm_support.MeasuredVllm:
-    """The row of vllm_support.MEASURED whose speculators loader vLLM `version` has (vllm_support.serving_row)."""
-    return vllm_support.serving_row(version)
-
-
 def flags_vllm_would_use(config: dict[str, Any], version: str) -> dict[str, bool]:
     """The value of each DRAFTER_FLAGS field the drafter will run with in vLLM `version`."""
-    row, layer = serving_vllm(version), config.get("transformer_layer_config") or {}
+    row, layer = vllm_support.serving_row(version), config.get("transformer_layer_config") or {}
     loader_defaults = {"norm_before_residual": True}  # update_eagle3's default when the field is absent
     used = {}
     for flag in DRAFTER_FLAGS:
@@ -229,7 +224,7 @@ def dropped_flags(config: dict[str, Any], version: str) -> list[str]:
 
 def serving_problems(config: dict[str, Any], version: str, num_hidden_layers: int | None = None) -> list[str]:
     """What vLLM `version` would silently misread in a speculators eagle3 config.json, each with its fix."""
-    row, problems = serving_vllm(version), []
+    row, problems = vllm_support.serving_row(version), []
     for flag, used in flags_vllm_would_use(config, version).items():
         if used != bool(config.get(flag, False)):
             problems.append(
@@ -262,7 +257,7 @@ def check_serving(config: dict[str, Any], version: str, *, where: str, num_hidde
     problems = serving_problems(config, version, num_hidden_layers)
     if problems:
         raise ValueError(f"vLLM {version} would silently misread the drafter {where}: " + "; ".join(problems))
-    row = serving_vllm(version)
+    row = vllm_support.serving_row(version)
     return {
         "vllm_version": version,
         "rules": f"vLLM >= {row.since[0]}.{row.since[1]}",

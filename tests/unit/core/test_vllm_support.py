@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from eagle3_ray.core import contract, vllm_support
+from eagle3_ray.core import vllm_support
 from eagle3_ray.core.config import UserError
 
 pytestmark = pytest.mark.unit
@@ -69,13 +69,13 @@ def test_the_installed_vllm_is_a_measured_release():
 
 
 def test_the_serving_rules_of_a_release_are_the_newest_measured_rows_at_or_below_it():
-    assert contract.serving_vllm("0.24").version == "0.24.0"
-    assert contract.serving_vllm("0.31.9").version == "0.24.0"
-    assert contract.serving_vllm("0.33.1.dev3+gabc").reads == vllm_support.MEASURED[1].reads
+    assert vllm_support.serving_row("0.24").version == "0.24.0"
+    assert vllm_support.serving_row("0.31.9").version == "0.24.0"
+    assert vllm_support.serving_row("0.33.1.dev3+gabc").reads == vllm_support.MEASURED[1].reads
     with pytest.raises(ValueError, match="older than every supported"):
-        contract.serving_vllm("0.20.1")
+        vllm_support.serving_row("0.20.1")
     with pytest.raises(ValueError, match="not a version"):
-        contract.serving_vllm("latest")
+        vllm_support.serving_row("latest")
 
 
 def test_every_vllm_internal_the_project_uses_resolves_in_the_installed_vllm():
