@@ -1,6 +1,6 @@
 """What the generate stage's writer threads cost per captured byte on this machine, by step and thread count:
 vLLM's connector writing a request's file into the scratch dir, then what commit.CaptureWriter does with it (read it,
-shards.capture_stats, write it into a shard). It sizes `generate.writer_threads` and says which step bounds
+capture_checks.capture_stats, write it into a shard). It sizes `generate.writer_threads` and says which step bounds
 one-pass generation on a machine (the disk, the stats pass, or the scratch copy). A prefill unit's samples
 (capture_only, two_pass's capture pass) skip this path on a local run dir: vLLM's connector writes them into their
 shards itself.
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from safetensors.torch import save_file
 
-from eagle3_ray.core import shards
+from eagle3_ray.core import capture_checks, shards
 from eagle3_ray.generate import chat
 from eagle3_ray.generate.engine import GIL_SWITCH_INTERVAL_S
 
@@ -69,14 +69,14 @@ def main() -> None:
         return shards.read_safetensors(f"{scratch}/{i}.safetensors")["hidden_states"]
 
     def stats(i: int) -> None:
-        shards.capture_stats(read(i))
+        capture_checks.capture_stats(read(i))
 
     def shard(i: int) -> None:
         save_file({f"{i}.hs": read(i)}, f"{out}/{i}.safetensors")
 
     def whole(i: int) -> None:
         x = read(i)
-        shards.capture_stats(x)
+        capture_checks.capture_stats(x)
         save_file({f"{i}.hs": x}, f"{out}/{i}.safetensors")
 
     rows = []
@@ -122,7 +122,7 @@ def note_pickup(args) -> None:
         path = f"{scratch}/{i}.safetensors"
         chat.wait_for_capture(path)
         data = chat.load_capture({"id": str(i), "input_ids": ids, "_num_captured": args.tokens}, path)
-        shards.stats_from_norms(data["norms"], data["nonfinite"])
+        capture_checks.stats_from_norms(data["norms"], data["nonfinite"])
 
     stop = threading.Event()
 

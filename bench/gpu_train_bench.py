@@ -48,7 +48,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save_file
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import shard_format, shards, storage
 from eagle3_ray.train import vocab
 
 LLAMA31_8B = dict(
@@ -128,7 +128,7 @@ def write_both_formats(work: str, verifier: str, shape: dict, aux: list[int], sa
     os.makedirs(os.path.join(spec_dir, "hidden_states"), exist_ok=True)
     for i, (ids, mask, hs) in enumerate(samples):
         t, key, sid = hs.shape[0], f"s{i:06d}", f"sample{i:06d}"
-        shard.update(shards.encode_sample(key, hs, "bfloat16"))
+        shard.update(shard_format.encode_sample(key, hs, "bfloat16"))
         name = f"shard-{i // 64:05d}.safetensors"
         manifest.append(
             {

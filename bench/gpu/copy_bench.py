@@ -7,16 +7,18 @@ writes into tmpfs the rest (docs/benchmarks.md, the stage's tail). This times, w
 the same bytes moved each way:
 
 - `pinned_one` / `pageable_one`: one copy of a contiguous device tensor into pinned / pageable host memory;
-- `pinned_pieces`: one copy per sample into pieces of a pinned shards.HostArena (what the connector copies into);
-- `gather_encode`: the connector's gather from a hidden-state cache and its encoding (shards.planned_rows), no copy;
+- `pinned_pieces`: one copy per sample into pieces of a pinned shard_writer.HostArena (what the connector copies
+  into);
+- `gather_encode`: the connector's gather from a hidden-state cache and its encoding (shard_writer.planned_rows), no
+  copy;
 - `connector`: CaptureConnector._copy_to_host itself, group after group as _save_planned cuts them (gather_groups,
   `--gather-bytes`), until the last group's copy event;
 - `write_sparse_N` / `write_reserved_N`: the same bytes from pinned host memory into one open shard in `--scratch`
-  (shards.StreamedShard.open, shards.write_at, one sample per write) by N threads, as the connector's writer
-  threads write them, into pages not yet allocated / allocated first (StreamedShard.reserve, timed on its own as
+  (shard_writer.InPlaceShard.open, shard_writer.write_at, one sample per write) by N threads, as the connector's writer
+  threads write them, into pages not yet allocated / allocated first (InPlaceShard.reserve, timed on its own as
   `reserve_s`: the stage does it while the unit decodes);
 - `units_fifo_UxN` / `units_per_file_UxN`: the same bytes as U units, each into its own reserved shard, by vLLM's
-  connector pool of N threads, in unit order: straight into the pool / through shards.PerFileJobs (one file's
+  connector pool of N threads, in unit order: straight into the pool / through shard_writer.PerFileJobs (one file's
   writes one at a time, files side by side).
 
     python3 -m bench.gpu.copy_bench --out $OUT/copy_bench.json
@@ -36,7 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
-from eagle3_ray.core import shards
+from eagle3_ray.core import shard_writer
 
 
 def timed(fn, stream: torch.cuda.Stream) -> tuple[float, float]:
@@ -110,7 +112,7 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
     flat = torch.randn(args.samples * args.tokens, args.layers, args.hidden, device=device, dtype=torch.bfloat16)
     pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     pageable = torch.empty(flat.shape, dtype=flat.dtype)
-    arena = shards.HostArena(args.arena_bytes, pin_memory=True)
+    arena = shard_writer.HostArena(args.arena_bytes, pin_memory=True)
     stream = torch.cuda.Stream()
     if CaptureConnector is not None:
         fake = SimpleNamespace(_kv_cache=cache, _arena=arena, _block_size=args.block_size)
@@ -145,7 +147,7 @@ def copy_rows(args: argparse.Namespace, total: int, row_bytes: int) -> list[dict
             for group in groups:
                 slots = torch.cat([slot_mapping(block_ids[i])[: args.tokens] for i in group])
                 slots = slots.pin_memory().to(device=device, non_blocking=True)
-                shards.planned_rows(extract_from_kv_cache(cache, slots, slots.shape[0]), "bfloat16")
+                shard_writer.planned_rows(extract_from_kv_cache(cache, slots, slots.shape[0]), "bfloat16")
         done = torch.cuda.Event()
         done.record(stream)
         return [done]
@@ -195,7 +197,7 @@ def write_sample(
 ) -> None:
     """Sample `i` of the pinned rows into `shard`'s payload at `slot` (default: `i`), as the connector writes one."""
     begin = shard.payload_start + (i if slot is None else slot) * sample_bytes
-    shards.write_at(
+    shard_writer.write_at(
         shard.tmp, {"hs": pinned[i * args.tokens : (i + 1) * args.tokens]}, {"hs": [begin, begin + sample_bytes]}
     )
 
@@ -209,7 +211,7 @@ def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_b
         for reserve in (False, True):
             walls, reserves = [], []
             for r in range(args.repeats):
-                shard = shards.StreamedShard.open(f"{args.scratch}/copy_bench_{r}.safetensors", layout)
+                shard = shard_writer.InPlaceShard.open(f"{args.scratch}/copy_bench_{r}.safetensors", layout)
                 t0 = time.perf_counter()
                 if reserve:
                     shard.reserve(total)
@@ -228,7 +230,7 @@ def write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, row_b
 def unit_write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, sample_bytes: int) -> list[dict]:
     """`units_fifo` / `units_per_file`: the samples as `--units` units, each into its own reserved shard, submitted
     in unit order to `--connector-threads` threads (vLLM's connector pool) as they are in one engine step: straight
-    into the pool, as the connector did, or through shards.PerFileJobs, as it does."""
+    into the pool, as the connector did, or through shard_writer.PerFileJobs, as it does."""
     per_unit = -(-args.samples // args.units)
     rows_out = []
     for name in ("units_fifo", "units_per_file"):
@@ -238,14 +240,14 @@ def unit_write_rows(args: argparse.Namespace, pinned: torch.Tensor, total: int, 
             for u in range(args.units):
                 count = len(range(u * per_unit, min(args.samples, (u + 1) * per_unit)))
                 layout = [(f"s{i}.hs", torch.bfloat16, [args.tokens, args.layers, args.hidden]) for i in range(count)]
-                files.append(shards.StreamedShard.open(f"{args.scratch}/copy_bench_unit{u}.safetensors", layout))
+                files.append(shard_writer.InPlaceShard.open(f"{args.scratch}/copy_bench_unit{u}.safetensors", layout))
                 files[-1].reserve(count * sample_bytes)
 
             def write(i: int, files: list = files) -> None:
                 write_sample(args, pinned, files[i // per_unit], sample_bytes, i, i % per_unit)
 
             with ThreadPoolExecutor(args.connector_threads) as pool:
-                jobs = shards.PerFileJobs(pool) if name == "units_per_file" else None
+                jobs = shard_writer.PerFileJobs(pool) if name == "units_per_file" else None
                 t0 = time.perf_counter()
                 if jobs is None:
                     futures = [pool.submit(write, i) for i in range(args.samples)]

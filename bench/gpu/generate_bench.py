@@ -326,7 +326,7 @@ def capture_only_convs(args, out_len: int) -> tuple[list[list[dict]], list[list[
 
 def capture_only_ids(args, out_len: int) -> list[list[int]]:
     """The token ids the capture_only stage prefills for capture_only_convs (its planner's own templating)."""
-    from eagle3_ray.generate.stage import chat_encoder, with_prefill_ids
+    from eagle3_ray.generate.plan import chat_encoder, with_prefill_ids
 
     cfg = make_cfg(args, args.work, "capture_only", out_len)
     rows = [{"messages": c} for c in capture_only_convs(args, out_len)[0]]

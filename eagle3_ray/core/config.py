@@ -164,7 +164,7 @@ class GenerateConfig:
     reserve_shard_pages: bool | None = field(default=None, metadata=NOT_IN_VERSION)
     """Allocate a local shard's pages (posix_fallocate, on a background thread) when its unit starts, so that the
     captures are later only copied into it: on tmpfs a write into unallocated pages allocates and zeroes them on
-    the writing thread (shards.StreamedShard.reserve). A generate unit's shards reserve its token budget's bytes,
+    the writing thread (shard_writer.InPlaceShard.reserve). A generate unit's shards reserve its token budget's bytes,
     which the unit may not fill (finish() gives the rest back). None: on where the engines run on GPUs, off on CPU
     engines, whose cores the zeroing would take from the engine."""
     capture_gather_bytes: int = field(default=256 << 20, metadata=NOT_IN_VERSION)

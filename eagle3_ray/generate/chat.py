@@ -10,7 +10,7 @@ generate mode, one request per user turn; each conversation advances on its own 
 two_pass mode: the same turns on a plain engine ("plain", nothing captured), then one prefill of input_ids[:-1]
     (max_tokens=1): the same input_ids, loss_mask and T = n - 1 as generate mode, without capture during decode.
 capture_only mode: one prefill request (max_tokens=1) over the templated conversation; T = n. The planner tokenizes
-    it already (generate.with_prefill_ids: the count is the unit plan's cost), so the engine actor sends those ids on
+    it already (plan.with_prefill_ids: the count is the unit plan's cost), so the engine actor sends those ids on
     at once, and the loss mask (two more template passes per assistant turn) is left to the writer thread
     (Conversation.complete_record), off the engine's path.
 loss_mask is 1 on every assistant turn's tokens (content and its end-of-turn tokens), 0 elsewhere.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eagle3_ray.core import shards
+from eagle3_ray.core import sample_ids, shards
 from eagle3_ray.core.config import Config
 
 Message = dict[str, str]
@@ -111,15 +111,15 @@ class Conversation:
         self.capture_path: str | None = None
         # the kv_transfer_params of its capture request: commit.ShardPlan adds a planned sample's place in its shard
         self.transfer_params: dict[str, Any] | None = None
-        # what the request of the capture it stores (generate: the final turn's) adds to them: commit.ShardStream's
-        # open shards of the unit, set before the conversation starts
+        # what the request of the capture it stores (generate: the final turn's) adds to them: the unit's open shards
+        # (commit.FinishOrderShards), set before the conversation starts
         self.capture_target: dict[str, Any] = {}
         self.discarded: list[str] = []
         # commit.CaptureWriter: the final capture read, as (stats, encoded) or the error reading it raised
         self.prepared: tuple | BaseException | None = None
         self.prepare_lock = threading.Lock()
-        # (commit.ShardPlan, shard index) of a prefill unit's planned shards; (commit.ShardStream, None) of a generate
-        # unit's open shards
+        # (commit.ShardPlan, shard index) of a prefill unit's planned shards; (commit.FinishOrderShards, None) of a
+        # generate unit's open shards
         self.shard: tuple | None = None
         self.timing: dict[str, float] = {}  # the writer's seconds on this capture (commit.CaptureWriter.TIMINGS)
 
@@ -205,7 +205,7 @@ class Conversation:
             if include_output:  # generate's final turn: the capture that is stored
                 self.transfer_params.update(self.capture_target)
             extra = {"kv_transfer_params": self.transfer_params}
-        greedy = shards.is_greedy_response(self.record["id"], gen.temperature, gen.responses_per_prompt)
+        greedy = sample_ids.is_greedy_response(self.record["id"], gen.temperature, gen.responses_per_prompt)
         params = SamplingParams(
             temperature=0.0 if greedy else gen.temperature,
             top_p=gen.top_p,
@@ -230,7 +230,7 @@ class Conversation:
 def load_capture(record: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
     """A finished request's capture file, its tokens checked against the record's: `hidden_states`
     [T, num_layers, H] and `token_ids` [T], or, for a sample vLLM's connector wrote into its planned shard, the
-    note it left (`token_ids`, `norms` [T, num_layers], `nonfinite` [num_layers]: shards.write_planned_capture).
+    note it left (`token_ids`, `norms` [T, num_layers], `nonfinite` [num_layers]: shard_writer.write_planned_capture).
     The file is deleted once read. The lock is free by now (wait_for_capture), so this only reads."""
     from eagle3_ray.core.vllm_support import cleanup_hidden_states
 

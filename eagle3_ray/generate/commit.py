@@ -8,9 +8,12 @@ goes on with other requests.
     prefill units (capture_only, two_pass's capture pass) know every sample's T before the engine runs: a ShardPlan
     fixes their shards up front, vLLM's connector writes each sample into its place in a local shard itself, and
     the writer thread reads only the note it leaves (norms) to check the sample
-    ShardSink       shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
-    GeneratedSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
-    (online_engine.StreamSink returns stream rows instead, optionally committing through a ShardSink cache)
+    a unit's sink (`committed`, `write`) is where its finished samples go:
+    ShardSink          shards/{unit}-{j}.safetensors, then parts/{unit}.parquet (the commit record): offline generate
+    ConversationSink   generated/{unit}.parquet (conversations, no hidden states): two_pass's first pass
+    (online_engine.TrainRowSink returns rows for the train workers instead, optionally through a ShardSink cache)
+    a unit's local shards are laid out by ShardPlan (places fixed before the requests go out: prefill units) or
+    FinishOrderShards (places given as samples finish: generate units)
 
 What waits for the writers is bounded in bytes by engine_loop.ByteBudget: a unit starts only when its capture bytes
 fit the budget (else it waits, logged as `backpressure`: the writers fell behind).
@@ -28,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import capture_checks, packing, shard_format, shard_writer, shards, storage
 from eagle3_ray.core.config import Config
 from eagle3_ray.generate import chat
 
@@ -38,7 +41,7 @@ STATS_FIELDS = [
     ("hs_norm_sum", pa.list_(pa.float64())),
     ("hs_norm_min", pa.list_(pa.float32())),
     ("hs_norm_max", pa.list_(pa.float32())),
-]  # per captured layer: shards.capture_stats
+]  # per captured layer: capture_checks.capture_stats
 PART_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -66,7 +69,7 @@ class CaptureCheckError(RuntimeError):
 
 def check_sample(cfg: Config, record: dict[str, Any], stats: dict, layer_ids: list[int], shard: str) -> None:
     gen = cfg.generate
-    problem = shards.capture_problem(
+    problem = capture_checks.capture_problem(
         stats,
         record["num_tokens"],
         layer_ids,
@@ -102,7 +105,7 @@ class CaptureWriter:
     # and when (time.time()); a unit's line has the latest of its samples: the capture file readable, the capture
     # prepared, its shard written. With engine_done_s and committed_s they split the tail after a unit's last request.
     # A sample vLLM's connector wrote into a shard also has the connector's: the engine step that took its save, its
-    # copy on the host, its shard write done (shards.write_planned_capture's stamps)
+    # copy on the host, its shard write done (shard_writer.write_planned_capture's stamps)
     STAMPS = (
         "captured_at",
         "prepared_at",
@@ -196,11 +199,14 @@ class CaptureWriter:
                     )
                 if conv.shard is not None and conv.shard[0].streamed:
                     r["num_tokens"] = data["norms"].shape[0]
-                    conv.prepared = (shards.stats_from_norms(data["norms"], data["nonfinite"]), None)
+                    conv.prepared = (capture_checks.stats_from_norms(data["norms"], data["nonfinite"]), None)
                 else:
                     hs = data["hidden_states"]  # shape: [T, L, H]
                     r["num_tokens"] = hs.shape[0]
-                    conv.prepared = (shards.capture_stats(hs), shards.encode_sample(r["id"], hs, self.dtype))
+                    conv.prepared = (
+                        capture_checks.capture_stats(hs),
+                        shard_format.encode_sample(r["id"], hs, self.dtype),
+                    )
             except BaseException as e:
                 conv.prepared = e
                 return
@@ -249,8 +255,9 @@ def _set(future: asyncio.Future, result: Any, error: BaseException | None) -> No
 
 
 class ShardSink:
-    """Offline generate: shards first (atomically, names derived from the unit id), the part file last; the unit
-    is committed when `parts/{unit_id}.parquet` exists."""
+    """The sink that stores hidden states (offline generate, and online training's cache): shards first
+    (atomically, names derived from the unit id), the part file last; the unit is committed when
+    `parts/{unit_id}.parquet` exists."""
 
     def __init__(self, cfg: Config, out_dir: str, layer_ids: list[int]):
         self.cfg, self.out_dir, self.layer_ids = cfg, out_dir, layer_ids
@@ -274,8 +281,8 @@ class ShardSink:
     def write_shards(self, unit_id: str, records: list[dict], encoded: dict, stats: dict) -> dict[str, int]:
         """Group the unit's encoded samples by bytes and write a shard of each group."""
         ok = [r for r in records if r["id"] in encoded]
-        groups = shards.greedy_groups(
-            [shards.tensor_bytes(encoded[r["id"]]) for r in ok], self.cfg.generate.shard_max_bytes
+        groups = packing.greedy_groups(
+            [shard_format.tensor_bytes(encoded[r["id"]]) for r in ok], self.cfg.generate.shard_max_bytes
         )
         return {
             name: self.write_shard(name, [ok[i] for i in group], encoded, stats)
@@ -315,7 +322,7 @@ def shard_names(unit_id: str, num_shards: int) -> list[str]:
 
 def reserve_pages(cfg: Config, files: list, num_bytes: int | None = None) -> None:
     """generate.reserve_shard_pages: each local shard's payload pages (`num_bytes` of each, a planned shard's
-    whole payload by default) allocated on a background thread (shards.StreamedShard.reserve_in_background)."""
+    whole payload by default) allocated on a background thread (shard_writer.InPlaceShard.reserve_in_background)."""
     gen = cfg.generate
     if gen.reserve_shard_pages if gen.reserve_shard_pages is not None else gen.num_gpus_per_worker > 0:
         for f in files:
@@ -325,9 +332,9 @@ def reserve_pages(cfg: Config, files: list, num_bytes: int | None = None) -> Non
 class ShardPlan:
     """A prefill unit's shards, fixed before its captures arrive: every sample's T is known when its request is
     made (`_num_captured`), so the samples are grouped by their stored bytes up front, round-robin over the unit's
-    shards (shards.interleaved_groups: samples whose requests finish together go to different files), and each
-    shard's layout (shards.sample_layout of its samples) is known. On a local run dir each shard is a
-    shards.StreamedShard, made here, before the unit's requests go out, and each sample's request carries its place
+    shards (packing.interleaved_groups: samples whose requests finish together go to different files), and each
+    shard's layout (shard_format.sample_layout of its samples) is known. On a local run dir each shard is a
+    shard_writer.InPlaceShard, made here, before the unit's requests go out, and each sample's request carries its place
     in it (`kv_transfer_params["shard"]`): vLLM's connector writes the sample's stored tensors there itself
     (generate/connector.py) and leaves a note of its norms; the writer thread that reads a sample's note checks it,
     and the thread that checks a shard's last sample moves the shard into place, so a unit's shards are complete
@@ -339,10 +346,14 @@ class ShardPlan:
     def __init__(self, sink: ShardSink, unit_id: str, convs: list, hidden_size: int):
         dtype = sink.cfg.generate.hidden_states_dtype
         layouts = [
-            shards.sample_layout(c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size, dtype)
+            shard_format.sample_layout(
+                c.record["id"], c.record["_num_captured"], len(sink.layer_ids), hidden_size, dtype
+            )
             for c in convs
         ]
-        groups = shards.interleaved_groups([shards.layout_bytes(x) for x in layouts], sink.cfg.generate.shard_max_bytes)
+        groups = packing.interleaved_groups(
+            [shard_format.layout_bytes(x) for x in layouts], sink.cfg.generate.shard_max_bytes
+        )
         self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.groups = [[convs[i] for i in g] for g in groups]
         self.layouts = [[entry for i in g for entry in layouts[i]] for g in groups]
@@ -350,7 +361,7 @@ class ShardPlan:
         self.streamed = storage.is_local(sink.out_dir)
         self.files = (
             [
-                shards.StreamedShard(sink.shard_uri(name), layout, metadata={"unit_id": unit_id})
+                shard_writer.InPlaceShard(sink.shard_uri(name), layout, metadata={"unit_id": unit_id})
                 for name, layout in zip(self.names, self.layouts, strict=True)
             ]
             if self.streamed
@@ -435,18 +446,18 @@ class ShardPlan:
                 f.abort()
 
 
-class ShardStream:
-    """A generate unit's shards on a local run dir, filled as its conversations finish: a sample's T is known only
-    when its final turn does, so its place is given then, by vLLM's connector on the scheduler side
-    (shards.stream_target: the next free bytes of the unit's open shard with the fewest so far), and the connector
-    writes the sample there as it writes a planned one (encoded and normed on the device, once per engine step).
-    The unit's shards (shards.StreamedShard.open) are made before its requests go out, as many as its token budget
-    fills at generate.shard_max_bytes (at most one a sample), each with room for the header of every sample of the
-    unit; each conversation's final request carries them (`conv.capture_target["stream"]`). A writer thread checks
-    each sample from the connector's note (norms, and its place), and the unit's commit writes each shard's header
-    from the places its samples got (shard_bytes) and moves it into place: nothing is read back after the unit's
-    last step. `abort()` removes the files when the unit fails. Each conversation gets `conv.shard = (stream,
-    None)`."""
+class FinishOrderShards:
+    """A generate unit's shards on a local run dir, its samples laid out in the order they finish (ShardPlan's are
+    planned before the requests go out): a sample's T is known only when its final turn does, so its place is given
+    then, by vLLM's connector on the scheduler side (shard_writer.stream_target: the next free bytes of the unit's open
+    shard with the fewest so far), and the connector writes the sample there as it writes a planned one (encoded and
+    normed on the device, once per engine step). The unit's shards (shard_writer.InPlaceShard.open) are made before its
+    requests go out, as many as its token budget fills at generate.shard_max_bytes (at most one a sample), each with
+    room for the header of every sample of the unit; each conversation's final request carries them
+    (`conv.capture_target["stream"]`). A writer thread checks each sample from the connector's note (norms, and its
+    place), and the unit's commit writes each shard's header from the places its samples got (shard_bytes) and moves it
+    into place: nothing is read back after the unit's last step. `abort()` removes the files when the unit fails. Each
+    conversation gets `conv.shard = (stream, None)`."""
 
     streamed = True
 
@@ -454,12 +465,12 @@ class ShardStream:
         gen = sink.cfg.generate
         self.sink, self.unit_id, self.lock = sink, unit_id, threading.Lock()
         self.dtype, self.num_layers, self.hidden_size = gen.hidden_states_dtype, len(sink.layer_ids), hidden_size
-        budget = shards.layout_bytes(self._layout("", num_tokens))
+        budget = shard_format.layout_bytes(self._layout("", num_tokens))
         self.names = shard_names(unit_id, max(1, min(len(convs), -(-budget // gen.shard_max_bytes))))
         # header room: every sample of the unit at the longest T it can have (offsets that large take the most digits)
         capacity = [e for c in convs for e in self._layout(c.record["id"], sink.cfg.verifier.max_model_len)]
         self.files = [
-            shards.StreamedShard.open(sink.shard_uri(name), capacity, metadata={"unit_id": unit_id})
+            shard_writer.InPlaceShard.open(sink.shard_uri(name), capacity, metadata={"unit_id": unit_id})
             for name in self.names
         ]
         reserve_pages(sink.cfg, self.files, -(-budget // len(self.files)))
@@ -478,7 +489,7 @@ class ShardStream:
             c.capture_target = {"stream": {**stream, "key": c.record["id"]}}
 
     def _layout(self, key: str, num_tokens: int) -> list[tuple]:
-        return shards.sample_layout(key, num_tokens, self.num_layers, self.hidden_size, self.dtype)
+        return shard_format.sample_layout(key, num_tokens, self.num_layers, self.hidden_size, self.dtype)
 
     def prepared(self, j: None, conv: Any, note: dict) -> None:
         """`conv`'s final capture is in its shard (its writer thread, under the conversation's prepare lock): check
@@ -519,7 +530,7 @@ class ShardStream:
                     )
                 sample = self._layout(conv.record["id"], conv.record["num_tokens"])
                 layout += sample
-                end = offset + shards.layout_bytes(sample)
+                end = offset + shard_format.layout_bytes(sample)
             self.written[name] = file.finish(layout)
             for _, conv in placed:
                 self.sink.stored(name, conv.record, conv.prepared[0], layout[0][1], self.hidden_size)
@@ -534,8 +545,9 @@ class ShardStream:
             file.abort()
 
 
-class GeneratedSink:
-    """two_pass's first pass: `generated/{unit_id}.parquet` holds the unit's regenerated conversations (input_ids,
+class ConversationSink:
+    """The sink that stores conversations and no hidden states, for two_pass's first pass:
+    `generated/{unit_id}.parquet` holds the unit's regenerated conversations (input_ids,
     loss_mask, messages) or their rejects; the capture pass reads them by sample id."""
 
     def __init__(self, out_dir: str):

@@ -8,13 +8,13 @@ request (`pin_memory=True requires a CUDA ... backend`). This subclass keeps eve
 - On the CPU the rows are copied synchronously (no pinned memory, no stream).
 - A request whose kv_transfer_params carry `shard` (a prefill unit's sample with a place in a planned local shard,
   commit.ShardPlan) or `stream` (a generate unit's final turn: its place in one of the unit's open local shards is
-  given when it finishes, commit.ShardStream) is written straight into that place: the rows are encoded (bf16/fp8)
-  and their row norms taken on the device they are on, once per engine step for all the step's such requests
-  (shards.planned_rows; on GPU on the copy stream, before the copy to the host, with nothing on the engine's thread
-  waiting for the GPU), the stored bytes go into the shard's temp file at their offsets, and the request's capture
-  path gets a note of a few KB (token ids, norms, a generate sample's place) instead of the hidden states
-  (shards.write_planned_capture). The hidden states are written once, into the shard, and the engine actor reads
-  only the note.
+  given when it finishes, commit.FinishOrderShards) is written straight into that place: the rows are encoded
+  (bf16/fp8) and their row norms taken on the device they are on, once per engine step for all the step's such
+  requests (shard_writer.planned_rows; on GPU on the copy stream, before the copy to the host, with nothing on the
+  engine's thread waiting for the GPU), the stored bytes go into the shard's temp file at their offsets, and the
+  request's capture path gets a note of a few KB (token ids, norms, a generate sample's place) instead of the hidden
+  states (shard_writer.write_planned_capture). The hidden states are written once, into the shard, and the engine
+  actor reads only the note.
 
 Every request captures: a request that opted out (freeing its blocks at once) was still reported as sent by the
 worker side, which vLLM 0.24's scheduler asserts on (`req_id in self.requests`) on GPU. Turn-by-turn regeneration
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from eagle3_ray.core import shards
+from eagle3_ray.core import shard_writer
 from eagle3_ray.core.config import GenerateConfig
 from eagle3_ray.core.vllm_support import (
     ExampleHiddenStatesConnector,
@@ -82,11 +82,11 @@ class ShardSave(PendingSave):
 
 class CaptureConnector(ExampleHiddenStatesConnector):
     """On GPU a planned sample's stored rows come down into a piece of one pinned arena reserved when the KV caches
-    are registered (`pinned_buffer_bytes` of the extra config, shards.HostArena); the piece goes back once the
+    are registered (`pinned_buffer_bytes` of the extra config, shard_writer.HostArena); the piece goes back once the
     sample is written, and a sample that does not fit gets fresh pinned memory, as in vLLM's connector."""
 
     _saved_by_step: frozenset[str] = frozenset()  # req ids of this step's planned saves (get_finished)
-    _arena: shards.HostArena | None = None
+    _arena: shard_writer.HostArena | None = None
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any):
         # generate.capture_method=forward: no extract_hidden_states method, the verifier's forward pass writes the
@@ -97,7 +97,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._vllm_config = vllm_config
         self._stream_used: dict[str, int] = {}  # scheduler side: payload bytes given out per open shard file
         # worker side: a planned sample's write goes to its shard file's queue on the parent's writer threads
-        self._shard_jobs = shards.PerFileJobs(self._executor)
+        self._shard_jobs = shard_writer.PerFileJobs(self._executor)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)
@@ -107,7 +107,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         self._gather_bytes = int(self._kv_transfer_config.get_from_extra_config("gather_bytes", default))
         if self._is_tp_rank_zero and self._kv_cache.is_cuda:
             if num_bytes:
-                self._arena = shards.HostArena(num_bytes, pin_memory=True)
+                self._arena = shard_writer.HostArena(num_bytes, pin_memory=True)
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -124,7 +124,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Scheduler side: the parent's pending save, carrying the request's shard target to the worker: a prefill
         sample's planned place (`shard`), or a generate sample's place in its unit's open shards (`stream`), given
-        here, where T is known and requests finish one at a time (shards.stream_target)."""
+        here, where T is known and requests finish one at a time (shard_writer.stream_target)."""
         delay, params = super().request_finished(request, block_ids)
         transfer = request.kv_transfer_params or {}
         pending = self._pending_saves.get(request.request_id)
@@ -132,7 +132,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             return delay, params
         target = transfer.get("shard")
         if target is None and transfer.get("stream") is not None:
-            target = shards.stream_target(transfer["stream"], pending.token_ids.shape[0], self._stream_used)
+            target = shard_writer.stream_target(transfer["stream"], pending.token_ids.shape[0], self._stream_used)
         if target is not None:
             self._pending_saves[request.request_id] = ShardSave(**vars(pending), shard=target)
         return delay, params
@@ -154,7 +154,8 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         `gather_bytes` of token rows (gather_groups): the gather and its encoding and norms take device memory
         outside vLLM's gpu_memory_utilization, in proportion to the rows gathered at once."""
         assert self._kv_cache is not None
-        step_at = time.time()  # with the time this thread leaves, the note's stamps (shards.write_planned_capture)
+        # with the time this thread leaves, the note's stamps (shard_writer.write_planned_capture)
+        step_at = time.time()
         row_bytes = self._kv_cache[0, 0].numel() * self._kv_cache.element_size()
         max_rows = max(1, self._gather_bytes // row_bytes)
         for group in gather_groups([p.token_ids.shape[0] for p in saves], max_rows):
@@ -180,7 +181,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             stamps = [step_at, time.time()]
             for p, (a, b) in zip(saves, spans, strict=True):
                 self._submit(
-                    p, _DoneEvent(), planned=partial(shards.planned_capture, rows[a:b], p.shard), stamps=stamps
+                    p, _DoneEvent(), planned=partial(shard_writer.planned_capture, rows[a:b], p.shard), stamps=stamps
                 )
             return
         host, releases, copy_done = self._copy_to_host(slots, spans, dtype)
@@ -189,7 +190,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
             self._submit(
                 p,
                 copy_done,
-                planned=partial(shards.planned_sample, rows, p.shard["key"]),
+                planned=partial(shard_writer.planned_sample, rows, p.shard["key"]),
                 stamps=stamps,
                 release=partial(self._give_back, pieces),
             )
@@ -206,7 +207,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         copy_stream.wait_event(ready)
         with torch.cuda.stream(copy_stream):
             slots = slots.pin_memory().to(device=self._kv_cache.device, non_blocking=True)
-            step = shards.planned_rows(extract_from_kv_cache(self._kv_cache, slots, spans[-1][1]), dtype)
+            step = shard_writer.planned_rows(extract_from_kv_cache(self._kv_cache, slots, spans[-1][1]), dtype)
             norms = {name: pinned_copy(step.pop(name)) for name in ("norms", "nonfinite")}
             host, releases = [], []
             for a, b in spans:
@@ -275,7 +276,7 @@ class CaptureConnector(ExampleHiddenStatesConnector):
         def write_planned() -> None:
             try:
                 done.synchronize()
-                shards.write_planned_capture(
+                shard_writer.write_planned_capture(
                     planned(), token_ids, pending.shard, pending.filename, [*stamps, time.time()]
                 )
             finally:

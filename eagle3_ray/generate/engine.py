@@ -9,7 +9,7 @@ requests of `generate.units_in_flight` units at once, committing each unit throu
            or stream rows)
     On a local run dir vLLM's connector writes each sample into its shard file itself (generate/connector.py): a
     prefill unit's shards are planned when its requests are made (commit.ShardPlan), a generate unit's get each
-    sample when it finishes (commit.ShardStream), so only the last samples' checks, the shards' headers and moves
+    sample when it finishes (commit.FinishOrderShards), so only the last samples' checks, the shards' headers and moves
     into place and the part file follow the unit's last request.
 
 Our own actor class rather than `ray.data.llm`: its output rows drop the request's `kv_transfer_params`, so the
@@ -301,8 +301,8 @@ class EngineActor:
     (`unit_id`, `samples_json`, `num_tokens`: the planner's token budget) and returns the sink's rows.
 
     `kind`: "generate" (capture during decode), "prefill" (capture_only, two_pass's capture pass) or "plain"
-    (two_pass's first pass: no capture engine). The sink commits a unit (commit.ShardSink, GeneratedSink, or the
-    online StreamSink); subclasses pick the sink and the output columns."""
+    (two_pass's first pass: no capture engine). The sink commits a unit (commit.ShardSink, ConversationSink, or the
+    online TrainRowSink); subclasses pick the sink and the output columns."""
 
     columns = commit.SUMMARY_KEYS
     scratch_prefix = "eagle3-capture"
@@ -362,7 +362,7 @@ class EngineActor:
 
     def make_sink(self):
         if self.kind == "plain":
-            return commit.GeneratedSink(self.out_dir)
+            return commit.ConversationSink(self.out_dir)
         return commit.ShardSink(self.cfg, self.out_dir, self.layer_ids)
 
     def _hidden_size(self, verifier_path: str) -> int:
@@ -490,7 +490,7 @@ class EngineActor:
             and storage.is_local(self.out_dir)
             and convs
         ):  # each final capture is written into the unit's open shards as it finishes
-            commit.ShardStream(self.sink, unit_id, convs, self.hidden_size, num_tokens)
+            commit.FinishOrderShards(self.sink, unit_id, convs, self.hidden_size, num_tokens)
 
         def advance(conv: chat.Conversation, request) -> list:
             if request is not None:

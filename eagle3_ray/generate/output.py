@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle3_ray.core import shards, storage, telemetry
+from eagle3_ray.core import capture_checks, shards, storage, telemetry
 from eagle3_ray.core.config import Config
 from eagle3_ray.core.layers import resolve_layer_ids, text_config
 
@@ -149,7 +149,7 @@ def capture_stats_summary(out: str) -> dict[str, dict]:
         ["num_tokens", "layer_ids", "hs_zero_rows", "hs_nonfinite", "hs_norm_sum", "hs_norm_min", "hs_norm_max"]
     ).to_pylist()
     per_sample = [{k.removeprefix("hs_"): r[k] for k in r if k.startswith("hs_")} for r in rows]
-    return shards.aggregate_stats(per_sample, [r["num_tokens"] for r in rows], rows[0]["layer_ids"])
+    return capture_checks.aggregate_stats(per_sample, [r["num_tokens"] for r in rows], rows[0]["layer_ids"])
 
 
 def _summary(out: str, rows_in: int, manifest: pa.Table, rejects: pa.Table, processed: dict, wall_s: float) -> dict:

@@ -17,7 +17,7 @@ import random
 import pyarrow as pa
 import torch
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import shard_format, shards, storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.core.layers import reference_hidden_states
 from eagle3_ray.generate.commit import PART_SCHEMA
@@ -107,7 +107,7 @@ def write_reference_output(
         )
         shard_name = f"shard-{i // samples_per_shard:05d}.safetensors"
         key = f"s{i:06d}"
-        pending.setdefault(shard_name, {}).update(shards.encode_sample(key, hs, hidden_states_dtype))
+        pending.setdefault(shard_name, {}).update(shard_format.encode_sample(key, hs, hidden_states_dtype))
         manifest.append(
             {
                 "id": sample_id,

@@ -45,7 +45,7 @@ from speculators.train.distributed_batch_sampler import MultipackDistributedBatc
 from speculators.train.recovery import RECOVERY_METADATA_KEY, RecoveryMetadata, SampleUnavailable
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import capture_checks, sample_ids, shard_format, storage
 from eagle3_ray.core.config import Config
 
 
@@ -62,9 +62,9 @@ class SampleRef:
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:
-    """Held-out split by the hash of the sample's prompt id (shards.prompt_of): stable across runs, worker counts and
-    dataset order, and the responses of one prompt (generate.responses_per_prompt) all on the same side."""
-    bucket = int(hashlib.sha256(shards.prompt_of(sample_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
+    """Held-out split by the hash of the sample's prompt id (sample_ids.prompt_of): stable across runs, worker counts
+    and dataset order, and the responses of one prompt (generate.responses_per_prompt) all on the same side."""
+    bucket = int(hashlib.sha256(sample_ids.prompt_of(sample_id).encode()).hexdigest()[:8], 16) / 0x1_0000_0000
     return bucket < val_fraction
 
 
@@ -76,7 +76,7 @@ def split_role(sample_id: str, cfg: Config) -> str:
     if not is_validation(sample_id, cfg.train.val_fraction):
         return "train"
     n = cfg.generate.responses_per_prompt
-    if n > 1 and not shards.is_greedy_response(sample_id, cfg.generate.temperature, n):
+    if n > 1 and not sample_ids.is_greedy_response(sample_id, cfg.generate.temperature, n):
         return "held_out"
     return "val"
 
@@ -146,7 +146,7 @@ class ShardReader:
             raise BadSampleError(f"{uri}: key {name} is missing")
         start, end = entry["data_offsets"]
         if end == start:
-            return torch.empty(entry["shape"], dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
+            return torch.empty(entry["shape"], dtype=shard_format.SAFETENSORS_DTYPES[entry["dtype"]])
         # a slice of the mapped file's buffer is a view; read_at (any file) returns a bytes copy
         data = (
             f.slice(payload + start, end - start)
@@ -158,9 +158,9 @@ class ShardReader:
         if isinstance(f, pa.Buffer):
             with warnings.catch_warnings():  # read-only by design: nothing writes into a sample's tensors
                 warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(memoryview(data), dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
+                flat = torch.frombuffer(memoryview(data), dtype=shard_format.SAFETENSORS_DTYPES[entry["dtype"]])
         else:
-            flat = torch.frombuffer(bytearray(data), dtype=shards.SAFETENSORS_DTYPES[entry["dtype"]])
+            flat = torch.frombuffer(bytearray(data), dtype=shard_format.SAFETENSORS_DTYPES[entry["dtype"]])
         return flat.reshape(entry["shape"])
 
 
@@ -172,7 +172,7 @@ def _open_shard(uri: str) -> tuple[object, dict, int, int]:
         raise BadSampleError(f"{uri}: shard file is missing ({type(e).__name__})") from e
     size = f.size()
     try:
-        header, payload, payload_end = shards.read_header(f.read_at)
+        header, payload, payload_end = shard_format.read_header(f.read_at)
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise BadSampleError(f"{uri}: unreadable safetensors header ({e})") from e
     if size < payload + payload_end:
@@ -211,14 +211,14 @@ HIDDEN_KEYS = ("hidden_states", "verifier_last_hidden_states")  # stored dtype o
 
 def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Hidden states from their wire dtype to `dtype`, computed where the tensors are (the GPU after the copy): fp8
-    [..., T, A*H] with `{key}_exp` [..., T, A] by shards.dequantize_fp8 (the `_exp` entries dropped), others cast.
+    [..., T, A*H] with `{key}_exp` [..., T, A] by shard_format.dequantize_fp8 (the `_exp` entries dropped), others cast.
     The values are those a decode on the host gives: the same elementwise ops on the same bytes."""
     out = {k: v for k, v in tensors.items() if not k.endswith("_exp")}
     for key in HIDDEN_KEYS:
         exp = tensors.get(f"{key}_exp")
         if exp is not None:
             q = out[key].unflatten(-1, (exp.shape[-1], -1))  # shape: [..., T, A, H]
-            out[key] = shards.dequantize_fp8(q, exp, dtype).flatten(-2)
+            out[key] = shard_format.dequantize_fp8(q, exp, dtype).flatten(-2)
         elif key in out:
             out[key] = out[key].to(dtype)
     return out
@@ -295,7 +295,9 @@ class ShardDataset(Dataset):
             )
         if hs.dtype.itemsize > self.dtype.itemsize:
             hs = hs.to(self.dtype)  # fewer bytes to move; the capture check then sees what training sees
-        problem = shards.capture_problem(shards.bad_row_counts(hs), ref.num_tokens, self.layer_ids, **self.bounds)
+        problem = capture_checks.capture_problem(
+            capture_checks.bad_row_counts(hs), ref.num_tokens, self.layer_ids, **self.bounds
+        )
         if problem:  # the generate stage's own check, again: shards may come from elsewhere or an older run
             raise BadSampleError(f"{where}: hidden states fail the capture check: {problem}")
         return hs, exp

@@ -2,7 +2,7 @@
 
     python ray_jobs/pipeline.py ray_jobs/configs/tiny_cpu.yaml train.source=online
 
-Ray Data reads the ingested conversations as token-bounded work units (generate.py's planner), and a router actor
+Ray Data reads the ingested conversations as token-bounded work units (generate/plan.py), and a router actor
 hands each unit to one of the StreamEngine actors (the generate section's engines and resources), which regenerates
 and captures it; each captured sample comes back as a row whose hidden states are an ndarray. The engines are
 started once for the whole stage, outside Ray Data: every epoch re-executes the stream (below), and a stream-owned
@@ -36,7 +36,7 @@ from eagle3_ray.core.telemetry import log
 from eagle3_ray.core.verifiers import verifier_dir
 from eagle3_ray.generate import chat, commit
 from eagle3_ray.generate.output import capture_contract
-from eagle3_ray.generate.stage import (
+from eagle3_ray.generate.plan import (
     chat_encoder,
     plan_units,
     replica_options,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3_ray.core import shards, storage, telemetry
+from eagle3_ray.core import shard_format, shards, storage, telemetry
 from eagle3_ray.core.config import Config
 from eagle3_ray.generate import commit
 from eagle3_ray.generate.engine import EngineActor
@@ -43,7 +43,7 @@ def from_row(row: dict) -> torch.Tensor:
     dtype = getattr(torch, row["hs_dtype"])
     hs = torch.from_numpy(np.ascontiguousarray(row["hs"])).view(dtype)
     if dtype == torch.float8_e4m3fn:
-        return shards.dequantize_fp8(hs, torch.from_numpy(np.ascontiguousarray(row["scale"])))
+        return shard_format.dequantize_fp8(hs, torch.from_numpy(np.ascontiguousarray(row["scale"])))
     return hs.float()
 
 
@@ -51,8 +51,9 @@ def _torch_bits(dtype: torch.dtype) -> torch.dtype:
     return {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
 
 
-class StreamSink:
-    """Rows for the train workers. With `cache` (a commit.ShardSink), units also commit shards + parts there and a
+class TrainRowSink:
+    """The sink of online training: a unit's captured samples come back as rows for the train workers (ROW_COLUMNS)
+    instead of going to storage. With `cache` (a commit.ShardSink), units also commit shards + parts there and a
     unit already committed is read back instead of regenerated."""
 
     def __init__(self, cfg: Config, layer_ids: list[int], cache: commit.ShardSink | None):
@@ -114,6 +115,6 @@ class StreamEngine(EngineActor):
         # engines/*.json (and the cache's shards and parts) go to cache_dir when set
         super().__init__(cfg_dict, verifier_path, layer_ids, cache_dir or out_dir, kind=kind)
 
-    def make_sink(self) -> StreamSink:
+    def make_sink(self) -> TrainRowSink:
         cache = commit.ShardSink(self.cfg, self.cache_dir, self.layer_ids) if self.cache_dir else None
-        return StreamSink(self.cfg, self.layer_ids, cache)
+        return TrainRowSink(self.cfg, self.layer_ids, cache)

@@ -24,7 +24,7 @@ from speculators.models.eagle3.data import shift_batch
 from speculators.train.data import CollateFn
 from speculators.train.recovery import SampleUnavailable
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import packing, shards, storage
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.generate.output import committed_samples
 from eagle3_ray.train import acceptance, data
@@ -65,11 +65,11 @@ def _rows(stream):
 
 
 class Packer:
-    """Stream samples packed greedily in arrival order up to `total_seq_len` (shards.GreedyPacker; a longer sample
+    """Stream samples packed greedily in arrival order up to `total_seq_len` (packing.GreedyPacker; a longer sample
     goes alone and CollateFn truncates it, as offline), each closed group collated into a batch."""
 
     def __init__(self, collate: CollateFn, total_seq_len: int):
-        self.collate, self.packer = collate, shards.GreedyPacker(total_seq_len)
+        self.collate, self.packer = collate, packing.GreedyPacker(total_seq_len)
 
     @property
     def samples(self) -> list:

@@ -478,9 +478,10 @@ def _maybe_kill(kill_at: tuple[int, int] | None, out_dir: str, epoch: int, step:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Sinks:
-    """Where rank 0's metric records go: a log line, metrics.jsonl, TensorBoard and Ray gauges. TensorBoard writes
-    local files: on an object store they are written to a temp dir and uploaded on every `flush()` (each epoch)."""
+class MetricSinks:
+    """Where rank 0's training metrics go (not a unit sink of generate's commit.py): a log line, metrics.jsonl,
+    TensorBoard and Ray gauges. TensorBoard writes local files: on an object store they are written to a temp dir and
+    uploaded on every `flush()` (each epoch)."""
 
     def __init__(self, out_dir: str, run_name: str, enabled: bool):
         self.enabled, self.out_dir = enabled, out_dir
@@ -552,7 +553,7 @@ class Loop:
             autocast=tc.use_gpu,
             max_grad_norm=tc.max_grad_norm,
         )
-        self.sinks = Sinks(self.out_dir, self.cfg.run.name, self.rank == 0)
+        self.sinks = MetricSinks(self.out_dir, self.cfg.run.name, self.rank == 0)
         self.start_epoch, self.step, self.best = 0, 0, None
 
     def restore(self) -> None:

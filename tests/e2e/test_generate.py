@@ -181,7 +181,7 @@ def test_finished_stage_rerun_is_a_no_op(fp32_run):
 
 def test_tensor_parallel_replicas_get_a_strict_pack_placement_group_each(tmp_path, ray_session):
     from eagle3_ray.generate.engine import engine_kwargs
-    from eagle3_ray.generate.stage import placement_args
+    from eagle3_ray.generate.plan import placement_args
 
     cfg = generate_cfg(tmp_path, "unused", tensor_parallel_size=2, num_gpus_per_worker=1.0)
     created = []
@@ -233,7 +233,7 @@ def test_tensor_parallel_2_engine_captures_what_transformers_computes_for_sample
     """Two TP ranks, one file per request written by rank 0: the capture must still be the whole model's states. The
     run also makes two responses per prompt (generate.responses_per_prompt=2): every ingested conversation twice, the
     greedy answer and a sampled copy as `<id>#1`, each captured; the two answers of a prompt differ."""
-    from eagle3_ray.generate.stage import with_responses
+    from eagle3_ray.generate.plan import with_responses
 
     cfg = generate_cfg(
         tmp_path,

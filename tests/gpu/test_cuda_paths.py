@@ -14,7 +14,7 @@ def test_a_steps_planned_rows_on_cuda_cut_by_sample_are_each_samples_planned_cap
 
 
 def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(tmp_path):
-    from eagle3_ray.core import shards
+    from eagle3_ray.core import shard_format, shards
     from eagle3_ray.train import data
     from eagle3_ray.train import worker as train_worker
 
@@ -22,7 +22,9 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
     refs, _ = data.load_refs(gen_dir)
     for ref in refs[:8]:  # half the samples stored as fp8: mixed batches fall back to the host decode
         path = str(tmp_path / f"{ref.key}.fp8.safetensors")
-        shards.write_shard(path, shards.encode_sample(ref.key, shards.read_sample(ref.shard_path, ref.key), "fp8"))
+        shards.write_shard(
+            path, shard_format.encode_sample(ref.key, shards.read_sample(ref.shard_path, ref.key), "fp8")
+        )
         ref.shard_path = path
     kwargs = dict(total_seq_len=96, hidden_size=64, world_size=1, rank=0, seed=0, num_workers=2)
     loader = data.make_loader(data.ShardDataset(refs, 3, dtype=torch.bfloat16), **kwargs)

@@ -294,14 +294,14 @@ def test_gpu_workers_get_loader_processes_from_their_cpus_and_cpu_workers_one(mo
 
 
 def test_fp8_shards_decode_to_the_values_bf16_shards_hold_up_to_fp8_rounding(tmp_path):
-    from eagle3_ray.core import shards
+    from eagle3_ray.core import shard_format, shards
     from eagle3_ray.train import data
 
     hs = torch.randn(12, 3, 64) * 5
     for dtype in ("bfloat16", "fp8"):
-        shards.write_shard(str(tmp_path / f"{dtype}.safetensors"), shards.encode_sample("k", hs, dtype))
+        shards.write_shard(str(tmp_path / f"{dtype}.safetensors"), shard_format.encode_sample("k", hs, dtype))
     read = {d: data.ShardReader().tensor(str(tmp_path / f"{d}.safetensors"), "k.hs") for d in ("bfloat16", "fp8")}
     scale = data.ShardReader().tensor(str(tmp_path / "fp8.safetensors"), "k.scale")
-    decoded = shards.dequantize_fp8(read["fp8"], scale, torch.bfloat16)
+    decoded = shard_format.dequantize_fp8(read["fp8"], scale, torch.bfloat16)
     assert read["bfloat16"].dtype == torch.bfloat16 and torch.equal(read["bfloat16"], hs.to(torch.bfloat16))
     assert ((decoded.float() - hs).norm() / hs.norm()) < 0.05

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.gpu import parity
-from eagle3_ray.core import shards
+from eagle3_ray.core import sample_ids, shards
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.train import data, vocab
 from tests.support.generate_output import shared_generate_output
@@ -30,7 +30,7 @@ def _two_responses_per_prompt(gen_dir: str, out: Path) -> str:
     for name in ("manifest", "conversations"):
         table = pq.read_table(f"{gen_dir}/{name}.parquet")
         rows = table.to_pylist()
-        second = [{**r, "id": shards.response_id(r["id"], 1)} for r in rows]
+        second = [{**r, "id": sample_ids.response_id(r["id"], 1)} for r in rows]
         pq.write_table(pa.Table.from_pylist(rows + second, schema=table.schema), out / f"{name}.parquet")
     return str(out)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3_ray.core import shards
+from eagle3_ray.core import capture_checks, shard_format, shard_writer, shards
 from eagle3_ray.core.config import load_config
 from tests.support import REPO
 from tests.support.configs import generate_cfg
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_planning_bounds_units_by_tokens_and_puts_an_oversized_sample_alone(tmp_path):
-    from eagle3_ray.generate.stage import plan_units
+    from eagle3_ray.generate.plan import plan_units
 
     cfg = generate_cfg(tmp_path, "unused", max_batch_tokens=100, oversize="alone")
     rows = [{"id": f"s{i}", "messages": [], "source": "x"} for i in range(5)]
@@ -173,7 +173,7 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
 
     hs = torch.randn(10, 3, 8)  # shape: [T, L, H]
     hs[2:8, 1] = 0  # 6 of 10 token rows of layer 3 are all zero
-    stats = shards.capture_stats(hs)
+    stats = capture_checks.capture_stats(hs)
     assert stats["zero_rows"] == [0, 6, 0] and stats["nonfinite"] == [0, 0, 0]
     record = {"id": "s1", "unit_id": "u1", "num_tokens": 10}
     cfg = generate_cfg(tmp_path, "unused")
@@ -183,9 +183,13 @@ def test_capture_check_fails_a_sample_with_nan_or_mostly_zero_rows_naming_sample
     hs[0, 2, 5] = float("nan")
     with pytest.raises(CaptureCheckError, match="layer 6: 1 non-finite values"):
         check_sample(
-            generate_cfg(tmp_path, "unused", max_zero_row_share=0.6), record, shards.capture_stats(hs), [1, 3, 6], "x"
+            generate_cfg(tmp_path, "unused", max_zero_row_share=0.6),
+            record,
+            capture_checks.capture_stats(hs),
+            [1, 3, 6],
+            "x",
         )
-    totals = shards.aggregate_stats([shards.capture_stats(hs)], [10], [1, 3, 6])
+    totals = capture_checks.aggregate_stats([capture_checks.capture_stats(hs)], [10], [1, 3, 6])
     assert totals["3"]["zero_row_share"] == 0.6 and totals["6"]["nonfinite"] == 1 and totals["1"]["norm_min"] > 0
 
 
@@ -199,10 +203,12 @@ def test_one_all_zero_row_fails_a_sample_at_the_default_zero_row_limit(tmp_path)
     record = {"id": "s7", "unit_id": "u2", "num_tokens": 200}
     with pytest.raises(CaptureCheckError, match=r"sample s7 .* layer 1: 1 of 200 token rows are all zero"):
         check_sample(
-            generate_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors"
+            generate_cfg(tmp_path, "unused"), record, capture_checks.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors"
         )
     hs[-1] = 1e-3
-    check_sample(generate_cfg(tmp_path, "unused"), record, shards.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors")
+    check_sample(
+        generate_cfg(tmp_path, "unused"), record, capture_checks.capture_stats(hs), [1, 3, 6], "u2-0000.safetensors"
+    )
 
 
 def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
@@ -213,8 +219,9 @@ def test_capture_stats_in_row_chunks_equal_one_pass_over_the_whole_sample():
     hs[13, 0, 7], hs[14, 3, 1], hs[99, 1, 0] = float("nan"), float("inf"), float("-inf")
     norms = torch.linalg.vector_norm(hs, dim=-1, dtype=torch.float32)  # shape: [T, L]
     finite = torch.isfinite(norms)
-    stats = shards.capture_stats(hs)
-    assert math.prod(hs.shape[1:]) * 2 <= shards.NORM_CHUNK_VALUES < hs.numel()  # several rows a chunk, many chunks
+    stats = capture_checks.capture_stats(hs)
+    # several rows a chunk, many chunks
+    assert math.prod(hs.shape[1:]) * 2 <= capture_checks.NORM_CHUNK_VALUES < hs.numel()
     assert stats["zero_rows"] == [0, 0, 3, 0] and stats["nonfinite"] == [1, 1, 0, 1]
     assert stats["norm_sum"] == torch.where(finite, norms, 0.0).double().sum(dim=0).tolist()
     assert stats["norm_min"] == torch.where(finite, norms, torch.inf).amin(dim=0).tolist()
@@ -228,8 +235,8 @@ def test_a_steps_planned_rows_cut_by_sample_are_each_samples_planned_capture(dty
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8", "float32"])
 def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shard_reads_back(tmp_path, dtype):
-    """shards.sample_layout (a prefill unit's shards are planned from it before any capture) lists exactly the
-    tensors shards.encode_sample stores; a StreamedShard written sample by sample through the connector's own
+    """shard_format.sample_layout (a prefill unit's shards are planned from it before any capture) lists exactly the
+    tensors shard_format.encode_sample stores; a InPlaceShard written sample by sample through the connector's own
     functions (planned_capture, write_planned_capture), out of order, is a safetensors file that holds them, read back
     by safetensors and by the training reader, and each sample's note holds its tokens and the stats of its capture;
     a tensor off its place is refused, and a writer late for an aborted shard writes nothing anywhere."""
@@ -237,27 +244,27 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
 
     samples = {f"s{i}": torch.randn(t, 3, 16) for i, t in enumerate([7, 1, 5])}  # shape: [T, L, H]
     samples["s2"][1] = 0.0  # a zero row shows in its note's stats
-    encoded = {k: shards.encode_sample(k, hs, dtype) for k, hs in samples.items()}
-    layouts = {k: shards.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
+    encoded = {k: shard_format.encode_sample(k, hs, dtype) for k, hs in samples.items()}
+    layouts = {k: shard_format.sample_layout(k, hs.shape[0], 3, 16, dtype) for k, hs in samples.items()}
     for k, tensors in encoded.items():
         assert [(n, t.dtype, list(t.shape)) for n, t in tensors.items()] == layouts[k]
-        assert shards.tensor_bytes(tensors) == shards.layout_bytes(layouts[k])
+        assert shard_format.tensor_bytes(tensors) == shard_format.layout_bytes(layouts[k])
     uri = str(tmp_path / "shards" / "u-0000.safetensors")
-    shard = shards.StreamedShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
+    shard = shard_writer.InPlaceShard(uri, [e for k in samples for e in layouts[k]], metadata={"unit_id": "u"})
     shard.reserve()  # its payload's pages allocated before any write (generate.reserve_shard_pages)
     assert os.stat(shard.tmp).st_blocks * 512 >= shard.size - shard.payload_start
     with pytest.raises(ValueError, match="its place in the shard"):
-        shards.write_at(shard.tmp, {"s1.hs": encoded["s0"]["s0.hs"]}, shard.ranges(["s1.hs"]))  # s0's, at s1's
+        shard_writer.write_at(shard.tmp, {"s1.hs": encoded["s0"]["s0.hs"]}, shard.ranges(["s1.hs"]))  # s0's, at s1's
     for k in ["s2", "s0", "s1"]:  # the connector's threads finish in any order
         target = {"file": shard.tmp, "key": k, "dtype": dtype, "ranges": shard.ranges(encoded[k])}
         note = str(tmp_path / f"{k}.note")
-        shards.write_planned_capture(
-            shards.planned_capture(samples[k], target), torch.arange(len(samples[k])), target, note
+        shard_writer.write_planned_capture(
+            shard_writer.planned_capture(samples[k], target), torch.arange(len(samples[k])), target, note
         )
         got = shards.read_safetensors(note)
         assert torch.equal(got["token_ids"], torch.arange(len(samples[k])))
-        stats = shards.stats_from_norms(got["norms"], got["nonfinite"])
-        assert stats == shards.capture_stats(samples[k])
+        stats = capture_checks.stats_from_norms(got["norms"], got["nonfinite"])
+        assert stats == capture_checks.capture_stats(samples[k])
         assert stats["zero_rows"] == ([1, 1, 1] if k == "s2" else [0, 0, 0])
     assert not Path(uri).exists()  # only a finished shard has its final name
     assert shard.finish() == Path(uri).stat().st_size and not list(tmp_path.glob("shards/*.tmp-*"))
@@ -271,22 +278,22 @@ def test_a_planned_shard_layout_is_what_the_connector_stores_and_a_streamed_shar
     for tensors in encoded.values():
         for n, t in tensors.items():
             assert torch.equal(reader.tensor(uri, n).view(torch.uint8), t.view(torch.uint8)), n
-    aborted = shards.StreamedShard(str(tmp_path / "shards" / "u-0001.safetensors"), layouts["s1"])
+    aborted = shard_writer.InPlaceShard(str(tmp_path / "shards" / "u-0001.safetensors"), layouts["s1"])
     aborted.abort()
     assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
     with pytest.raises(FileNotFoundError):
-        shards.write_at(aborted.tmp, encoded["s1"], {"s1.hs": [0, 96]})
+        shard_writer.write_at(aborted.tmp, encoded["s1"], {"s1.hs": [0, 96]})
     assert sorted(p.name for p in tmp_path.glob("shards/*")) == ["u-0000.safetensors"]
 
 
 def test_the_connectors_host_arena_lends_pieces_that_never_overlap_and_merge_back_when_given_back():
-    """shards.HostArena, the connector's pinned copy target on GPU (here unpinned): pieces lent at once never share
-    a byte, whatever order they come back in; a piece larger than every free range is refused (None: the connector
+    """shard_writer.HostArena, the connector's pinned copy target on GPU (here unpinned): pieces lent at once never
+    share a byte, whatever order they come back in; a piece larger than every free range is refused (None: the connector
     then takes fresh pinned memory); once all are back the arena is one free range again."""
     import random
 
-    page = shards.HostArena.PAGE_BYTES
-    arena = shards.HostArena(64 * page, pin_memory=False)
+    page = shard_writer.HostArena.PAGE_BYTES
+    arena = shard_writer.HostArena(64 * page, pin_memory=False)
     rng = random.Random(0)
     lent: dict[int, tuple[int, torch.Tensor]] = {}
     for _ in range(400):
@@ -333,7 +340,7 @@ def test_a_capture_file_read_whole_holds_what_the_connector_wrote(tmp_path):
 
 def test_auto_mode_takes_the_cheaper_mode_by_the_engine_costs_of_the_nearest_measured_verifier(tmp_path, capsys):
     from eagle3_ray.generate.mode import resolve_mode
-    from eagle3_ray.generate.stage import Unit
+    from eagle3_ray.generate.plan import Unit
 
     sample = {"id": "a", "messages": [{"role": "user", "content": "hi"}], "source": "x"}
     llama_8b, smollm2, kimi = 4096 * 32, 576 * 30, 7168 * 61  # hidden size x layers
@@ -403,7 +410,7 @@ def test_byte_budget_holds_a_unit_back_until_earlier_captures_are_committed():
 def test_the_connectors_shard_writes_run_one_at_a_time_per_file_and_side_by_side_across_files():
     """The connector's writer threads take a step's samples in unit order, each unit's into its own shards. A tmpfs
     write holds the file's inode lock, so in a plain FIFO pool every thread waited on the first unit's shard while
-    the other units' samples queued: shards.PerFileJobs runs one file's jobs in order, one at a time, and the
+    the other units' samples queued: shard_writer.PerFileJobs runs one file's jobs in order, one at a time, and the
     other files' jobs beside them; a failed job fails only its own future."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -435,7 +442,7 @@ def test_the_connectors_shard_writes_run_one_at_a_time_per_file_and_side_by_side
         return run
 
     with ThreadPoolExecutor(4) as pool:
-        jobs = shards.PerFileJobs(pool)
+        jobs = shard_writer.PerFileJobs(pool)
         a = [jobs.submit("a", job("a", f"a{i}", fail=i == 1)) for i in range(4)]
         b = [jobs.submit("b", job("b", f"b{i}")) for i in range(4)]
         # file a's first job holds its file: b's jobs all finish meanwhile, a's others wait for it
@@ -457,11 +464,10 @@ def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_th
     """capture_only: the planner tokenizes each conversation once (its cost); the engine actor's request sends
     exactly those ids without templating anything, and the record's loss mask, filled in by a writer thread while the
     requests run, is the assistant spans' mask with counts that add up."""
-    from eagle3_ray.generate import chat, commit
-    from eagle3_ray.generate import stage as generate
+    from eagle3_ray.generate import chat, commit, plan
 
     cfg = generate_cfg(tmp_path, tiny_llama, mode="capture_only")
-    encoder = generate.chat_encoder(tiny_llama, cfg)
+    encoder = plan.chat_encoder(tiny_llama, cfg)
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Name a colour."},
@@ -469,8 +475,8 @@ def test_capture_only_requests_send_the_planners_ids_and_the_writer_completes_th
         {"role": "user", "content": "Another?"},
         {"role": "assistant", "content": "Green, like grass."},
     ]
-    rows = generate.with_prefill_ids([{"id": "a", "source": "t", "messages": messages}], cfg, encoder)
-    units, rejects = generate.plan_units(rows, [generate.sample_cost(r, cfg, encoder) for r in rows], cfg)
+    rows = plan.with_prefill_ids([{"id": "a", "source": "t", "messages": messages}], cfg, encoder)
+    units, rejects = plan.plan_units(rows, [plan.sample_cost(r, cfg, encoder) for r in rows], cfg)
     ids = encoder.encode(messages, False)
     sample = units[0].samples[0]
     assert not rejects and sample["input_ids"] == ids and units[0].num_tokens == len(ids)
@@ -522,7 +528,7 @@ class _Conv:
 def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path, dtype, bad, reserve):
     """A generate unit through the actor's real writer threads: its open shards exist before any request, each
     finished sample gets the next free bytes of the emptiest one where vLLM's connector places it
-    (shards.stream_target, in the order requests finish, T known only then) and is written there as the connector
+    (shard_writer.stream_target, in the order requests finish, T known only then) and is written there as the connector
     writes it; the commit writes each shard's header from the places: every shard is a safetensors file holding
     exactly its samples' stored tensors, within a sample of shard_max_bytes, read back by the training reader, an
     unused shard is removed and the part file's rows name their shards. A sample failing the capture check fails
@@ -550,7 +556,7 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     if bad:
         hidden["s3"][:, 2] = float("nan")
     convs = [_Conv(k, str(tmp_path / "scratch" / f"{k}.safetensors"), len(hs)) for k, hs in hidden.items()]
-    stream = commit.ShardStream(sink, "u", convs, hidden_size=16, num_tokens=4 * 30)  # the unit's token budget
+    stream = commit.FinishOrderShards(sink, "u", convs, hidden_size=16, num_tokens=4 * 30)  # the unit's token budget
     shards_dir = tmp_path / "gen" / "shards"
     assert len(list(shards_dir.glob("u-000?.safetensors.tmp-*"))) == 4 == len(stream.names)  # before any request
     for f in stream.files:
@@ -563,10 +569,10 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
     for c in finish_order:  # what vLLM's connector does when each request finishes (eagle3_ray/generate/connector.py)
         request = c.capture_target["stream"]
         assert request["key"] == c.record["id"] and request["dtype"] == dtype
-        target = shards.stream_target(request, len(hidden[c.record["id"]]), used)
+        target = shard_writer.stream_target(request, len(hidden[c.record["id"]]), used)
         os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
-        shards.write_planned_capture(
-            shards.planned_capture(hidden[target["key"]], target),
+        shard_writer.write_planned_capture(
+            shard_writer.planned_capture(hidden[target["key"]], target),
             torch.arange(len(hidden[target["key"]])),
             target,
             c.capture_path,
@@ -595,12 +601,12 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
         held = [r for r in part if r["shard"] == name]
         with safe_open(str(shards_dir / name), framework="pt") as f:
             assert sorted(f.keys()) == sorted(
-                n for r in held for n in shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+                n for r in held for n in shard_format.encode_sample(r["id"], hidden[r["id"]], dtype)
             )
         payload = sum(r["num_tokens"] for r in held) * row_bytes
         assert payload <= cfg.generate.shard_max_bytes + max(lengths) * row_bytes
         for r in held:
-            want = shards.encode_sample(r["id"], hidden[r["id"]], dtype)
+            want = shard_format.encode_sample(r["id"], hidden[r["id"]], dtype)
             for n, t in want.items():
                 assert torch.equal(reader.tensor(str(shards_dir / name), n).view(torch.uint8), t.view(torch.uint8))
             assert r["num_tokens"] == len(hidden[r["id"]]) and r["key"] == r["id"] and r["hidden_size"] == 16
@@ -609,9 +615,9 @@ def test_a_generate_units_samples_get_their_shard_places_as_they_finish(tmp_path
 
 
 def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_unit(tmp_path):
-    """ShardStream: a shard the connector gave no sample (a conversation rejected before its final turn) is removed
-    at the commit; a shard whose places leave a gap (a sample placed there whose note never came) fails the unit,
-    naming the shard and the sample after the gap, and nothing of it stays."""
+    """FinishOrderShards: a shard the connector gave no sample (a conversation rejected before its final turn) is
+    removed at the commit; a shard whose places leave a gap (a sample placed there whose note never came) fails the
+    unit, naming the shard and the sample after the gap, and nothing of it stays."""
     from eagle3_ray.generate import commit
 
     cfg = generate_cfg(tmp_path, "unused", shard_max_bytes=1 << 20)
@@ -619,17 +625,17 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     shards_dir = tmp_path / "gen" / "shards"
 
     def finish(stream, conv, used):  # the connector's part (scheduler side, then worker side)
-        target = shards.stream_target(conv.capture_target["stream"], 4, used)
+        target = shard_writer.stream_target(conv.capture_target["stream"], 4, used)
         os.makedirs(os.path.dirname(conv.capture_path), exist_ok=True)
-        shards.write_planned_capture(
-            shards.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target, conv.capture_path
+        shard_writer.write_planned_capture(
+            shard_writer.planned_capture(torch.randn(4, 2, 8), target), torch.arange(4), target, conv.capture_path
         )
         conv.record["num_tokens"] = 4
-        conv.prepared = (shards.capture_stats(torch.randn(4, 2, 8)), None)
+        conv.prepared = (capture_checks.capture_stats(torch.randn(4, 2, 8)), None)
         stream.prepared(None, conv, shards.read_safetensors(conv.capture_path))
 
     convs = [_Conv(f"s{i}", str(tmp_path / "u0" / f"s{i}.safetensors"), 4) for i in range(3)]
-    stream = commit.ShardStream(sink, "u0", convs, hidden_size=8, num_tokens=8 << 20)
+    stream = commit.FinishOrderShards(sink, "u0", convs, hidden_size=8, num_tokens=8 << 20)
     assert len(stream.names) == 3  # the budget would fill 8 shards; one a sample at most
     used: dict[str, int] = {}
     for c in convs[:2]:  # s2 never reaches its final turn
@@ -638,9 +644,9 @@ def test_an_open_shard_that_no_sample_reached_is_removed_and_a_gap_fails_the_uni
     assert sorted(p.name for p in shards_dir.iterdir()) == ["u0-0000.safetensors", "u0-0001.safetensors"]
 
     convs = [_Conv(f"s{i}", str(tmp_path / "u1" / f"s{i}.safetensors"), 4) for i in range(2)]
-    stream = commit.ShardStream(sink, "u1", convs, hidden_size=8, num_tokens=8 << 20)
+    stream = commit.FinishOrderShards(sink, "u1", convs, hidden_size=8, num_tokens=8 << 20)
     used = {stream.files[1].tmp: 1 << 30}  # every sample goes to the first shard
-    shards.stream_target({**convs[0].capture_target["stream"], "key": "lost"}, 4, used)  # its note never comes
+    shard_writer.stream_target({**convs[0].capture_target["stream"], "key": "lost"}, 4, used)  # its note never comes
     for c in convs:
         finish(stream, c, used)
     with pytest.raises(
@@ -677,8 +683,8 @@ def test_planned_shards_are_written_sample_by_sample_and_a_failed_unit_leaves_no
         target = c.transfer_params["shard"]
         assert target["key"] == c.record["id"] and target["dtype"] == "bfloat16"
         os.makedirs(os.path.dirname(c.capture_path), exist_ok=True)
-        shards.write_planned_capture(
-            shards.planned_capture(hidden[target["key"]], target), torch.arange(6), target, c.capture_path
+        shard_writer.write_planned_capture(
+            shard_writer.planned_capture(hidden[target["key"]], target), torch.arange(6), target, c.capture_path
         )
         Path(c.capture_path + ".lock").touch()  # the connector's lock file, released: the capture is complete
     writer = commit.CaptureWriter("bfloat16", num_threads=3)
@@ -754,16 +760,15 @@ def test_a_prompts_first_response_is_greedy_and_its_copies_are_sampled(tmp_path,
     response per prompt, `temperature` applies to it."""
     import pyarrow as pa
 
-    from eagle3_ray.generate import chat
-    from eagle3_ray.generate import stage as generate
+    from eagle3_ray.generate import chat, plan
 
     messages = [{"role": "user", "content": "Name a colour."}]
     table = pa.table({"id": ["p"], "source": ["t"], "messages": [messages]})
 
     def params(cfg):
-        encoder = generate.chat_encoder(tiny_llama, cfg)
+        encoder = plan.chat_encoder(tiny_llama, cfg)
         out = {}
-        for sample in generate.with_responses(table, cfg).to_pylist():
+        for sample in plan.with_responses(table, cfg).to_pylist():
             _, _, p = chat.Conversation(sample, encoder, cfg, str(tmp_path), "u", "plain").start()
             out[sample["id"]] = (p.temperature, p.seed)
         return out

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from eagle3_ray.core import shards, storage
+from eagle3_ray.core import capture_checks, shard_format, shards, storage
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.train import data
 from eagle3_ray.train.stage import prepare_samples
@@ -67,7 +67,7 @@ def test_fp8_shards_decode_close_to_bf16(gen_dir, tmp_path):
     ref = refs[0]
     hs = shards.read_sample(ref.shard_path, ref.key)
     path = str(tmp_path / "fp8.safetensors")
-    shards.write_shard(path, shards.encode_sample(ref.key, hs, "fp8"))
+    shards.write_shard(path, shard_format.encode_sample(ref.key, hs, "fp8"))
     fp8_ref = data.SampleRef(ref.id, path, ref.key, ref.num_tokens, ref.input_ids, ref.loss_mask)
     sample = data.ShardDataset([fp8_ref], num_aux=3)[0]
     assert sample["verifier_last_hidden_states"].dtype == torch.float8_e4m3fn  # decoded on the device, not here
@@ -160,8 +160,8 @@ def test_the_responses_of_one_prompt_are_samples_on_the_same_side_of_the_split()
     import pyarrow as pa
 
     from eagle3_ray.core.config import config_from_dict
-    from eagle3_ray.core.shards import prompt_of, response_id
-    from eagle3_ray.generate.stage import with_responses
+    from eagle3_ray.core.sample_ids import prompt_of, response_id
+    from eagle3_ray.generate.plan import with_responses
 
     table = pa.table({"id": ["a1", "sharegpt:x_0"], "messages": [[{"role": "user", "content": "hi"}]] * 2})
     cfg = config_from_dict({"generate": {"responses_per_prompt": 3, "temperature": 0.7}})
@@ -177,11 +177,11 @@ def test_the_responses_of_one_prompt_are_samples_on_the_same_side_of_the_split()
 
 
 def test_validation_holds_a_prompts_greedy_response_and_holds_its_sampled_ones_out_of_both_sides():
-    """With several responses per prompt the first is greedy (shards.is_greedy_response): the split validates on it,
+    """With several responses per prompt the first is greedy (sample_ids.is_greedy_response): the split validates on it,
     as greedy serving decodes, and keeps the same prompt's sampled responses out of training and validation alike;
     with one response per prompt every sample trains or validates, sampled or not."""
     from eagle3_ray.core.config import config_from_dict
-    from eagle3_ray.core.shards import is_greedy_response, response_id
+    from eagle3_ray.core.sample_ids import is_greedy_response, response_id
 
     assert [is_greedy_response(response_id("p", k), 0.7, 3) for k in range(3)] == [True, False, False]
     assert is_greedy_response("p#1", 0.0, 1) and not is_greedy_response("p", 0.7, 1)
@@ -198,14 +198,14 @@ def test_validation_holds_a_prompts_greedy_response_and_holds_its_sampled_ones_o
 
 
 def test_greedy_packer_keeps_order_fills_to_the_budget_and_gives_an_oversized_item_its_own_group():
-    from eagle3_ray.core.shards import greedy_groups
+    from eagle3_ray.core.packing import greedy_groups
 
     assert greedy_groups([3, 4, 2, 9, 1, 5], budget=7) == [[0, 1], [2], [3], [4, 5]]
     assert greedy_groups([7, 7], budget=7) == [[0], [1]] and greedy_groups([], budget=7) == []
 
 
 def test_interleaved_groups_spread_neighbours_over_the_shards_and_keep_each_within_the_budget():
-    from eagle3_ray.core.shards import interleaved_groups
+    from eagle3_ray.core.packing import interleaved_groups
 
     assert interleaved_groups([2] * 7, budget=6) == [[0, 3, 6], [1, 4], [2, 5]]  # as many groups as greedy packing
     # round-robin over greedy's 3 groups would put 0 and 3 together (8 > 5): one more group keeps each within it
@@ -226,7 +226,7 @@ def _fp8_copy(gen_dir: str, tmp_path) -> list[data.SampleRef]:
         keys = [r.key for r in refs if r.shard_path == path]
         tensors = {}
         for key in keys:
-            tensors.update(shards.encode_sample(key, shards.read_sample(path, key), "fp8"))
+            tensors.update(shard_format.encode_sample(key, shards.read_sample(path, key), "fp8"))
         shards.write_shard(fp8_path, tensors)
     for r in refs:
         out.append(
@@ -382,10 +382,10 @@ def test_the_loaders_capture_check_counts_what_the_generate_stage_check_counts(s
     hs[:, 3] = 0
     if stored == "bfloat16":
         hs[6, 0, 1], hs[8, 2, 2] = float("inf"), float("-inf")
-    encoded = shards.encode_sample("k", hs, stored)
+    encoded = shard_format.encode_sample("k", hs, stored)
     q = encoded["k.hs"]
-    reference = hs.to(torch.bfloat16) if stored == "bfloat16" else shards.dequantize_fp8(q, encoded["k.scale"])
-    expected = shards.capture_stats(reference)
-    got = shards.bad_row_counts(q)
+    reference = hs.to(torch.bfloat16) if stored == "bfloat16" else shard_format.dequantize_fp8(q, encoded["k.scale"])
+    expected = capture_checks.capture_stats(reference)
+    got = capture_checks.bad_row_counts(q)
     assert got["zero_rows"] == expected["zero_rows"] == [1, 0, 0, 64]
     assert got["nonfinite"] == expected["nonfinite"] and sum(got["nonfinite"]) >= 4
