@@ -39,7 +39,10 @@ from bench.gpu_train_bench import speculators_cli_command, write_spec_dataset
 from eagle3_ray.core import shards, storage, verifiers
 from eagle3_ray.core.config import load_config
 from eagle3_ray.evaluate import report
-from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.evaluate.engine import engine_args
+from eagle3_ray.evaluate.measure import measure_baseline_again, plain_runs, run_engine
+from eagle3_ray.evaluate.prediction import predicted_vs_measured, training_metrics
+from eagle3_ray.evaluate.prompts import load_prompts, tokenize_prompts, validation_prompts
 from eagle3_ray.train import data, export
 
 
@@ -144,12 +147,12 @@ def measure(
     from eagle3_ray.core import contract
     from eagle3_ray.core.raycluster import ensure_ray
 
-    prompts = evaluate.load_prompts(cfg)
-    token_prompts = evaluate.tokenize_prompts(verifier_dir, prompts, cfg.verifier.trust_remote_code)
-    own = evaluate.validation_prompts(cfg, gen_dir)
-    own_tokens = evaluate.tokenize_prompts(verifier_dir, own, cfg.verifier.trust_remote_code)
+    prompts = load_prompts(cfg)
+    token_prompts = tokenize_prompts(verifier_dir, prompts, cfg.verifier.trust_remote_code)
+    own = validation_prompts(cfg, gen_dir)
+    own_tokens = tokenize_prompts(verifier_dir, own, cfg.verifier.trust_remote_code)
     ensure_ray(cfg.run)
-    base, _ = evaluate.plain_runs(cfg, verifier_dir, prompts, token_prompts)
+    base, _ = plain_runs(cfg, verifier_dir, prompts, token_prompts)
     rows = [{"drafter": None, **report.baseline_row(c, run)} for c, run in base.items()]
     in_vocab = np.load(os.path.join(vocab_dir, "t2d.npy"))  # the draft vocabulary both drafters predict over
     for row, run in zip(rows, base.values(), strict=True):
@@ -160,8 +163,8 @@ def measure(
     for name, drafter_dir in drafters.items():
         infos, contract_runs, own_rows = {}, {}, []
         for k in cfg.evaluate.num_speculative_tokens:
-            args = evaluate.engine_args(cfg, verifier_dir, drafter_dir, k)
-            spec = evaluate.run_engine(cfg, args, token_prompts, prompts, contract_prompts=own_tokens)
+            args = engine_args(cfg, verifier_dir, drafter_dir, k)
+            spec = run_engine(cfg, args, token_prompts, prompts, contract_prompts=own_tokens)
             infos[k] = spec["speculative"]
             contract.check_vllm_aux_layers(infos[k]["aux_layer_ids"], capture, capture_where=capture_where)
             if "contract" in spec:
@@ -183,12 +186,10 @@ def measure(
                 )
                 own_rows.append(rows[-1])
                 print("RESULT", json.dumps(rows[-1]), flush=True)
-        metrics = evaluate.training_metrics(drafter_dir) if name == "ours" else {}
-        predictions[name] = evaluate.predicted_vs_measured(
-            metrics, own_rows, infos, contract_runs, cfg.evaluate.max_tokens
-        )
+        metrics = training_metrics(drafter_dir) if name == "ours" else {}
+        predictions[name] = predicted_vs_measured(metrics, own_rows, infos, contract_runs, cfg.evaluate.max_tokens)
         print("RESULT prediction", name, json.dumps(predictions[name]), flush=True)
-    evaluate.measure_baseline_again(cfg, verifier_dir, token_prompts, prompts, rows)
+    measure_baseline_again(cfg, verifier_dir, token_prompts, prompts, rows)
     for row in (r for r in rows if "tokens_per_s_again" in r):
         print("RESULT again", json.dumps(row), flush=True)
     return rows, predictions

@@ -4,24 +4,29 @@ concurrency, timed (`measure`) or with the top-2 logprobs (`reference`), and vLL
     actor = ray.remote(num_cpus=1)(EngineBench).remote(engine_args, cfg.to_dict())
     run = ray.get(actor.measure.remote(token_prompts, 4, 128, groups))  # outputs, wall_s, spec, groups
 
+    with engine_actor(cfg, engine_args(cfg, verifier_dir, drafter_dir, k)) as (actor, info):  # started, then stopped
+        ...
+
 vLLM's spec-decode metrics are global counters, so what one group of prompts (a category, a turn) accepted is the
 counters' increase over that group's waves: groups are decoded one after another and never share a wave.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from eagle3_ray.core import contract, storage, verifiers, vllm_support
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.evaluate import identity
-from eagle3_ray.generate.engine import drafter_attention_env
+from eagle3_ray.generate.engine import drafter_attention_env, with_cpu_rotary_fix
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -168,3 +173,43 @@ def _local_drafter(uri: str) -> str:
     for name in ("config.json", "model.safetensors"):
         (local / name).write_bytes(storage.read_bytes(storage.join(uri, name)))
     return str(local)
+
+
+def engine_args(cfg: Config, verifier_dir: str, drafter_dir: str | None, num_speculative_tokens: int) -> dict:
+    args = dict(
+        model=verifier_dir,
+        dtype=cfg.verifier.dtype,
+        max_model_len=cfg.verifier.max_model_len,
+        trust_remote_code=cfg.verifier.trust_remote_code,
+        seed=cfg.run.seed,
+        disable_log_stats=False,
+    )
+    if drafter_dir is not None:
+        args["speculative_config"] = {
+            "method": "eagle3",
+            "model": drafter_dir,
+            "num_speculative_tokens": num_speculative_tokens,
+        }
+    args.update(cfg.evaluate.engine_kwargs)
+    return with_cpu_rotary_fix(args, verifier_dir, cfg.verifier.trust_remote_code)
+
+
+@contextlib.contextmanager
+def engine_actor(cfg: Config, args: dict[str, Any]) -> Iterator[tuple[Any, dict[str, Any] | None]]:
+    """One engine actor for the block: yields it and, with a drafter, what vLLM resolved for the drafter (checked
+    against the drafter's own flags before anything is measured); stops it afterwards."""
+    import ray
+
+    actor_cls = ray.remote(num_cpus=cfg.evaluate.num_cpus_per_engine, num_gpus=cfg.evaluate.num_gpus_per_engine)
+    actor = actor_cls(EngineBench).remote(args, cfg.to_dict())
+    try:
+        info = ray.get(actor.speculative_info.remote()) if "speculative_config" in args else None
+        if info is not None:  # before measuring: a drafter this vLLM misreads measures nothing useful
+            drafter = args["speculative_config"]["model"]
+            contract.check_vllm_drafter_flags(
+                info["drafter_flags"], storage.read_json(storage.join(drafter, "config.json")), where=drafter
+            )
+        yield actor, info
+        ray.get(actor.close.remote())
+    finally:
+        ray.kill(actor)

@@ -9,10 +9,10 @@ A row is one (num_speculative_tokens, concurrency) measurement; `num_speculative
                               (identity.py: identical, batch_numerics, numerics_tie, numerics_fp32, drafter)
     by_category, by_turn    = the same rates per prompt category / conversation turn, when there are several
 Predicted acceptance (`predicted_vs_measured`) is training's replay of vLLM's draft/verify chain over the validation
-split (train/acceptance.py), shown next to the measured one on the evaluation prompts and on prompts of that
-validation split (`validation`); a gap past evaluate.PREDICTION_TOLERANCE on the validation prompts is flagged as a
-contract problem, one on the evaluation prompts alone is reported as distribution shift.
-The gate's `recommended` (gate.py) names the fastest k at each concurrency.
+split (train/acceptance.py), shown next to the measured one on the evaluation prompts and on prompts of that validation
+split (`validation`); a gap past prediction.PREDICTION_TOLERANCE on the validation prompts is flagged as a contract
+problem, one on the evaluation prompts alone is reported as distribution shift. The gate's `recommended` (gate.py) names
+the fastest k at each concurrency.
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ from eagle3_ray.core import storage
 from eagle3_ray.core.config import config_from_dict, dump_config
 from eagle3_ray.evaluate import report
 from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.evaluate.engine import engine_args, local_engine_args
+from eagle3_ray.evaluate.measure import run_engine
+from eagle3_ray.evaluate.prediction import predicted_vs_measured
+from eagle3_ray.evaluate.prompts import load_prompts, tokenize_prompts, validation_prompts
+from eagle3_ray.evaluate.recheck import fp32_recheck
 from eagle3_ray.train import export
 from tests.support import REPO
 from tests.support.drafters import attach, cached_run
@@ -115,13 +120,13 @@ def test_an_unexplained_difference_is_decoded_again_in_float32_where_the_drafter
     decoding's tokens, and float32 leaves no near ties to tip, so the two agree and the output is reclassed
     `numerics_fp32`; every other output keeps its class."""
     cfg = make_cfg(trained["run_dir"], tiny_llama)
-    prompts = evaluate.load_prompts(cfg)
-    token_prompts = evaluate.tokenize_prompts(tiny_llama, prompts, False)
+    prompts = load_prompts(cfg)
+    token_prompts = tokenize_prompts(tiny_llama, prompts, False)
     items = [{"class": "identical", "first_diff_token": None} for _ in prompts]
     items[5] = {"class": "drafter", "first_diff_token": 7}
     measured = [(3, 4, {}, items)]
     drafter = trained["results"]["drafter_dir"]
-    got = evaluate.fp32_recheck(cfg, tiny_llama, drafter, token_prompts, prompts, (1,), measured)
+    got = fp32_recheck(cfg, tiny_llama, drafter, token_prompts, prompts, (1,), measured)
     assert got == {"outputs": 1, "agree_in_fp32": 1}
     fp32_tokens = items[5].pop("fp32_tokens")
     assert items[5] == {"class": "numerics_fp32", "first_diff_token": 7, "fp32_first_diff_token": None}
@@ -129,7 +134,7 @@ def test_an_unexplained_difference_is_decoded_again_in_float32_where_the_drafter
     assert [item["class"] for i, item in enumerate(items) if i != 5] == ["identical"] * 7
     off = make_cfg(trained["run_dir"], tiny_llama, fp32_recheck=False)
     unchecked = [(3, 4, {}, [{"class": "drafter", "first_diff_token": 7}] * len(prompts))]
-    assert evaluate.fp32_recheck(off, tiny_llama, drafter, token_prompts, prompts, (1,), unchecked) is None
+    assert fp32_recheck(off, tiny_llama, drafter, token_prompts, prompts, (1,), unchecked) is None
     assert {item["class"] for item in unchecked[0][3]} == {"drafter"}
 
 
@@ -138,8 +143,8 @@ def test_trained_drafter_is_accepted_more_often_than_an_untrained_one(trained, t
     cfg = make_cfg(untrained_run, tiny_llama, concurrency=[4])
     export.run(cfg)
     drafter = storage.latest(str(untrained_run), "export")["speculators_dir"]
-    prompts = evaluate.tokenize_prompts(tiny_llama, evaluate.load_prompts(cfg), False)
-    run = evaluate.run_engine(cfg, evaluate.engine_args(cfg, tiny_llama, drafter, 3), prompts)["runs"][4]
+    prompts = tokenize_prompts(tiny_llama, load_prompts(cfg), False)
+    run = run_engine(cfg, engine_args(cfg, tiny_llama, drafter, 3), prompts)["runs"][4]
     untrained_rate = run["spec"]["num_accepted_tokens"] / run["spec"]["num_draft_tokens"]
     trained_row = next(r for r in spec_rows(trained["results"]) if r["concurrency"] == 4)
     print(f"acceptance rate trained={trained_row['acceptance_rate']:.3f} untrained={untrained_rate:.3f}")
@@ -221,7 +226,7 @@ def test_engine_actor_copies_a_drafter_on_storage_to_its_own_node(trained, tiny_
 
     drafter = storage.latest(str(trained["run_dir"]), "export")["speculators_dir"]
     cfg = make_cfg(trained["run_dir"], tiny_llama)
-    args, copied = evaluate.local_engine_args(evaluate.engine_args(cfg, tiny_llama, f"file://{drafter}", 3), cfg)
+    args, copied = local_engine_args(engine_args(cfg, tiny_llama, f"file://{drafter}", 3), cfg)
     try:
         assert args["speculative_config"]["model"] == copied and copied != drafter
         for name in ("config.json", "model.safetensors"):
@@ -229,7 +234,7 @@ def test_engine_actor_copies_a_drafter_on_storage_to_its_own_node(trained, tiny_
         assert args["model"] == tiny_llama
     finally:
         shutil.rmtree(copied)
-    local, none = evaluate.local_engine_args(evaluate.engine_args(cfg, tiny_llama, drafter, 3), cfg)
+    local, none = local_engine_args(engine_args(cfg, tiny_llama, drafter, 3), cfg)
     assert none is None and local["speculative_config"]["model"] == drafter
 
 
@@ -287,7 +292,7 @@ def replay_on_prompts(verifier_dir: str, drafter_dir: str, prompts: list[dict], 
 def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_acceptance_length(trained, tiny_llama):
     cfg = make_cfg(trained["run_dir"], tiny_llama)
     drafter = trained["results"]["drafter_dir"]
-    predicted = replay_on_prompts(tiny_llama, drafter, evaluate.load_prompts(cfg), cfg.evaluate.max_tokens, 3)
+    predicted = replay_on_prompts(tiny_llama, drafter, load_prompts(cfg), cfg.evaluate.max_tokens, 3)
     rows = trained["results"]["rows"]
     measured, measured_pos = report.measured_acceptance([r for r in rows if r["concurrency"] == 1], 3)
     print(
@@ -297,7 +302,7 @@ def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_accept
         f"vLLM {[round(a, 3) for a in measured_pos]}"
     )
     assert abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05
-    [check] = evaluate.predicted_vs_measured(predicted, rows, {3: trained["results"]["vllm_speculative"]["3"]})
+    [check] = predicted_vs_measured(predicted, rows, {3: trained["results"]["vllm_speculative"]["3"]})
     assert not check["flagged"] and check["predicted_acceptance_length"] == predicted["val_replay_acceptance_length_k3"]
 
 
@@ -324,7 +329,7 @@ def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_
 def test_acceptance_on_the_runs_validation_prompts_matches_the_replay_on_them(trained, tiny_llama):
     cfg = make_cfg(trained["run_dir"], tiny_llama)
     gen_dir = storage.latest(str(trained["run_dir"]), "generate")["path"]
-    own = evaluate.validation_prompts(cfg, gen_dir)
+    own = validation_prompts(cfg, gen_dir)
     split = json.loads(next(Path(trained["run_dir"], "train").glob("*/split.json")).read_text())
     assert [p["id"] for p in own] == trained["results"]["validation_prompt_ids"] == split["val_ids"]
     assert all([m["role"] for m in p["messages"]][-1] == "user" for p in own)

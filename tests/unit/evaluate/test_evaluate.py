@@ -7,7 +7,8 @@ import pytest
 
 from eagle3_ray.core import storage
 from eagle3_ray.evaluate import report
-from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.evaluate.prediction import predicted_vs_measured
+from eagle3_ray.evaluate.prompts import validation_prompts
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.unit
 def test_online_runs_check_held_out_prompts_against_the_ingested_conversations(tmp_path):
     import pyarrow as pa
 
-    from eagle3_ray.evaluate.stage import check_held_out
+    from eagle3_ray.evaluate.prompts import check_held_out
 
     run_dir = str(tmp_path / "run")
     ingest_dir = storage.stage_dir(run_dir, "ingest", "v1")
@@ -42,13 +43,13 @@ def spec_row_for(k: int, num_drafts: int, accepted_per_pos: list[int]) -> dict:
 def test_a_prediction_far_from_vllm_is_flagged_naming_what_to_check_and_a_close_one_is_not():
     rows = [spec_row_for(3, 100, [40, 20, 10])]  # measured mean acceptance length 1.70
     info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
-    close = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info)[0]
+    close = predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info)[0]
     assert close["gap"] == pytest.approx(-0.02) and not close["flagged"]
-    far = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 2.2}, rows, info)[0]
+    far = predicted_vs_measured({"val_replay_acceptance_length_k3": 2.2}, rows, info)[0]
     assert far["flagged"] and "likely a contract problem" in far["message"]
     assert "aux layer ids vLLM feeds the drafter ([1, 3, 4])" in far["message"]
     assert "{'norm_output': False}" in far["message"] and "chat template" in far["message"]
-    missing = evaluate.predicted_vs_measured({"val_acc_0": 0.5}, rows, info)[0]
+    missing = predicted_vs_measured({"val_acc_0": 0.5}, rows, info)[0]
     assert missing["predicted_acceptance_length"] is None and "no prediction" in missing["message"]
 
 
@@ -59,7 +60,7 @@ def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_
     agrees = {
         3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 148, "accepted_per_pos": [66, 48, 34]}
     }  # 2.48
-    [shift] = evaluate.predicted_vs_measured(metrics, rows, info, agrees)
+    [shift] = predicted_vs_measured(metrics, rows, info, agrees)
     assert not shift["flagged"] and "distribution shift" in shift["message"]
     assert shift["validation"]["measured_acceptance_length"] == pytest.approx(2.48)
     assert shift["validation"]["gap"] == pytest.approx(-0.02)
@@ -67,13 +68,13 @@ def test_a_gap_on_the_evaluation_prompts_alone_is_distribution_shift_and_one_on_
     parts = {
         3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 70, "accepted_per_pos": [40, 20, 10]}
     }  # 1.70
-    [contract] = evaluate.predicted_vs_measured(metrics, rows, info, parts)
+    [contract] = predicted_vs_measured(metrics, rows, info, parts)
     assert contract["flagged"] and "on the run's validation prompts" in contract["message"]
     assert "likely a contract problem" in contract["message"] and "held-out set unlike" not in contract["message"]
     above = {
         3: {"num_drafts": 100, "num_draft_tokens": 300, "num_accepted_tokens": 170, "accepted_per_pos": [70, 55, 45]}
     }  # 2.70
-    [easier] = evaluate.predicted_vs_measured(metrics, rows, info, above)
+    [easier] = predicted_vs_measured(metrics, rows, info, above)
     assert not easier["flagged"] and "accepted more than training's replay predicted" in easier["message"]
     table = "\n".join(report.prediction_lines({"predicted_vs_measured": [shift]}))
     assert "on validation prompts 2.480" in table and "FLAGGED" not in table
@@ -85,17 +86,17 @@ def test_an_estimate_over_fewer_response_tokens_than_the_decode_says_so_before_a
     rows = [spec_row_for(3, 100, [40, 20, 10])]  # 1.70
     info = {3: {"aux_layer_ids": [1, 3, 4], "drafter_flags": {"norm_output": False}}}
     close = {"val_replay_acceptance_length_k3": 1.72, "val_replay_max_tokens": 64.0}
-    [same] = evaluate.predicted_vs_measured(close, rows, info, max_tokens=64)
+    [same] = predicted_vs_measured(close, rows, info, max_tokens=64)
     assert same["message"] is None and not same["flagged"]
-    [other] = evaluate.predicted_vs_measured(close, rows, info, max_tokens=256)
+    [other] = predicted_vs_measured(close, rows, info, max_tokens=256)
     assert not other["flagged"]
     assert other["message"].startswith("k=3: training's replay covered the first 64 response tokens")
     assert "this evaluation decodes 256" in other["message"] and "evaluate.max_tokens=256" in other["message"]
     far_off = {**close, "val_replay_acceptance_length_k3": 2.2}
-    [far] = evaluate.predicted_vs_measured(far_off, rows, info, max_tokens=256)
+    [far] = predicted_vs_measured(far_off, rows, info, max_tokens=256)
     assert far["flagged"] and far["message"].startswith("k=3: training's replay covered the first 64")
     assert "likely a contract problem" in far["message"]
-    [older] = evaluate.predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info, max_tokens=256)
+    [older] = predicted_vs_measured({"val_replay_acceptance_length_k3": 1.72}, rows, info, max_tokens=256)
     assert older["message"] is None  # a checkpoint from before the window was recorded: nothing to compare
 
 
@@ -216,5 +217,5 @@ def test_the_validation_prompts_are_the_first_of_the_splits_ids_up_to_the_first_
     storage.write_json_atomic(storage.join(train, storage.SUCCESS_MARKER), {})
     user = [{"role": "user", "content": "q"}]
     table = pa.table({"id": ["a", "b", "c"], "messages": [user + [{"role": "assistant", "content": "r"}]] * 3})
-    assert [p["id"] for p in evaluate.validation_prompts(cfg, "unused", table)] == ["a", "b"]
-    assert evaluate.validation_prompts(cfg, "unused", table)[0]["messages"] == user
+    assert [p["id"] for p in validation_prompts(cfg, "unused", table)] == ["a", "b"]
+    assert validation_prompts(cfg, "unused", table)[0]["messages"] == user

@@ -9,7 +9,7 @@ import pytest
 
 from eagle3_ray.core import storage
 from eagle3_ray.core.config import UserError, load_config
-from eagle3_ray.evaluate.stage import check_held_out, load_prompts
+from eagle3_ray.evaluate.prompts import check_held_out, load_prompts
 from eagle3_ray.ingest import sources
 from eagle3_ray.ingest.formats import conversation_id
 

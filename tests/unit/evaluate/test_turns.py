@@ -10,7 +10,14 @@ import pytest
 from eagle3_ray.core.config import config_from_dict
 from eagle3_ray.core.tiny_verifier import IM_END_ID, build_tiny_verifier
 from eagle3_ray.evaluate import engine, report
-from eagle3_ray.evaluate import stage as evaluate
+from eagle3_ray.evaluate.measure import concat_runs
+from eagle3_ray.evaluate.prompts import (
+    check_second_turn_fits,
+    level_groups,
+    load_prompts,
+    prompt_groups,
+    second_turn_prompts,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -37,18 +44,18 @@ def cfg_for(tmp_path, rows, **fields):
 
 
 def test_mtbench_rows_load_with_their_category_and_second_turn_only_when_both_turns_are_asked_for(tmp_path):
-    both = evaluate.load_prompts(cfg_for(tmp_path, ROWS, turns="both"))
+    both = load_prompts(cfg_for(tmp_path, ROWS, turns="both"))
     assert [p["category"] for p in both] == ["writing", "coding", "writing"]
     assert both[1]["messages"] == [{"role": "user", "content": "Reverse a list in Python."}]
     assert both[1]["second_turn"] == "Do it in place."
-    first = evaluate.load_prompts(cfg_for(tmp_path, ROWS))
+    first = load_prompts(cfg_for(tmp_path, ROWS))
     assert all(p["second_turn"] is None for p in first) and first[0]["id"] == "w1"
 
 
 def test_both_turns_refuse_a_row_without_a_second_turn_naming_the_field(tmp_path):
     rows = [*ROWS, {"messages": [{"role": "user", "content": "only one turn"}]}]
     with pytest.raises(ValueError, match=r"evaluate.turns=both: .*prompts.jsonl row 3 has no second turn"):
-        evaluate.load_prompts(cfg_for(tmp_path, rows, turns="both"))
+        load_prompts(cfg_for(tmp_path, rows, turns="both"))
 
 
 def test_second_turn_follows_the_models_own_first_answer_through_the_chat_template(tokenizer):
@@ -60,7 +67,7 @@ def test_second_turn_follows_the_models_own_first_answer_through_the_chat_templa
     first_ids = [
         tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, return_dict=False) for p in prompts
     ]
-    second = evaluate.second_turn_prompts(tokenizer, prompts, answers)
+    second = second_turn_prompts(tokenizer, prompts, answers)
     text = tokenizer.decode(second[0])
     assert text.endswith(
         "<|im_start|>user\nWrite a haiku.<|im_end|>\n<|im_start|>assistant\ndef f(x):\n    return x<|im_end|>\n"
@@ -68,46 +75,46 @@ def test_second_turn_follows_the_models_own_first_answer_through_the_chat_templa
     )  # the answer's own end-of-turn token is not doubled
     assert second[0][: len(first_ids[0])] == first_ids[0]  # turn 2 extends turn 1's prompt
     assert "<|im_start|>assistant\n<|im_end|>\n<|im_start|>user\nIn place.<|im_end|>" in tokenizer.decode(second[1])
-    assert evaluate.second_turn_prompts(tokenizer, prompts, answers) == second  # the same ids for every engine
+    assert second_turn_prompts(tokenizer, prompts, answers) == second  # the same ids for every engine
 
 
 def test_second_turns_that_cannot_fit_the_context_are_refused_before_any_engine_starts(tmp_path, tokenizer):
     cfg = cfg_for(tmp_path, ROWS, turns="both", max_tokens=200)
-    prompts = evaluate.load_prompts(cfg)
-    evaluate.check_second_turn_fits(tokenizer, prompts, cfg)  # 2048 tokens is room enough
+    prompts = load_prompts(cfg)
+    check_second_turn_fits(tokenizer, prompts, cfg)  # 2048 tokens is room enough
     small = config_from_dict({**cfg.to_dict(), "verifier": {**cfg.to_dict()["verifier"], "max_model_len": 420}})
     with pytest.raises(ValueError, match=r"need more than verifier.max_model_len=420 .*evaluate.max_tokens=200"):
-        evaluate.check_second_turn_fits(tokenizer, prompts, small)
+        check_second_turn_fits(tokenizer, prompts, small)
 
 
 def test_categories_are_decoded_group_by_group_so_no_wave_mixes_two():
     prompts = [{"category": r["category"]} for r in ROWS]
-    groups = evaluate.prompt_groups(prompts, 1)
+    groups = prompt_groups(prompts, 1)
     assert groups == [
         {"turn": 1, "category": "writing", "indices": [0, 2]},
         {"turn": 1, "category": "coding", "indices": [1]},
     ]
     assert [engine.waves(g["indices"], 1) for g in groups] == [[[0], [2]], [[1]]]
     assert engine.waves(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
-    assert evaluate.prompt_groups([{"id": "a"}, {"id": "b"}], 1) == [{"turn": 1, "category": None, "indices": [0, 1]}]
+    assert prompt_groups([{"id": "a"}, {"id": "b"}], 1) == [{"turn": 1, "category": None, "indices": [0, 1]}]
 
 
 def test_a_concurrency_no_category_can_fill_decodes_in_prompt_order_at_full_concurrency():
     prompts = [{"category": c} for c in ("a", "a", "b", "b", "b")]
-    assert len(evaluate.prompt_groups(prompts, 2)) == 2
-    assert evaluate.prompt_groups(prompts, 3) == [{"turn": 1, "category": None, "indices": [0, 1, 2, 3, 4]}]
+    assert len(prompt_groups(prompts, 2)) == 2
+    assert prompt_groups(prompts, 3) == [{"turn": 1, "category": None, "indices": [0, 1, 2, 3, 4]}]
 
 
 def test_both_turns_are_grouped_turn_after_turn_over_every_prompt_twice():
     prompts = [{"category": c} for c in ("a", "b", "a", "b")]
-    groups = evaluate.level_groups(prompts, 2, (1, 2))
+    groups = level_groups(prompts, 2, (1, 2))
     assert [(g["turn"], g["category"], g["indices"]) for g in groups] == [
         (1, "a", [0, 2]),
         (1, "b", [1, 3]),
         (2, "a", [4, 6]),
         (2, "b", [5, 7]),
     ]
-    assert [g["turn"] for g in evaluate.level_groups(prompts, 4, (2,))] == [2]
+    assert [g["turn"] for g in level_groups(prompts, 4, (2,))] == [2]
 
 
 def spec(drafts: int, accepted: int, per_pos: list[int]) -> dict:
@@ -125,7 +132,7 @@ def test_turn_two_measurements_join_turn_one_and_report_speedup_and_acceptance_p
              "groups": [group(1, "writing", 2.0, 10, zero), group(1, "coding", 2.0, 10, zero)],
              "reference": {"outputs": [[1] * 10, [1] * 10], "margins": [[1.0] * 10, [1.0] * 10]}}  # fmt: skip
     base2 = {**base1, "groups": [group(2, "writing", 2.0, 10, zero), group(2, "coding", 2.0, 10, zero)]}
-    base = evaluate.concat_runs(base1, base2)
+    base = concat_runs(base1, base2)
     assert len(base["outputs"]) == 4 and base["wall_s"] == 8.0 and len(base["reference"]["margins"]) == 4
     groups = [
         group(1, "writing", 1.0, 10, spec(5, 5, [4, 1])),
