@@ -1,7 +1,7 @@
-"""A generate-stage output made with transformers instead of vLLM: the verifier's greedy responses (HF `generate`)
-and its hidden states through `layers.reference_hidden_states` (the capture contract on the transformers side),
-written in the stage's format (docs/design.md): ids from `formats.conversation_id`, shards and manifest through
-shards.py, conversations.parquet typed as the stage's part files, capture.json from `output.capture_contract`.
+"""A generate-stage output made with transformers instead of vLLM: the verifier's greedy responses (HF `generate`) and
+its hidden states through `layers.reference_hidden_states` (the capture contract on the transformers side), written in
+the stage's format (docs/design.md): ids from `formats.conversation_id`, shards and manifest through shards.py and
+shard_format.py, conversations.parquet typed as the stage's part files, capture.json from `output.capture_contract`.
 
     from eagle3_ray.generate.reference import write_reference_output
     gen_dir = write_reference_output(run_dir, verifier_dir, num_samples=48, max_new_tokens=48)

@@ -1,11 +1,11 @@
 """The online engine actor: the generate stage's EngineActor (same start-up, continuous batching and background
-writer) with a stream sink: each captured sample comes back as a row (hidden states as an ndarray) instead of being
+writer) with a TrainRowSink: each captured sample comes back as a row (hidden states as an ndarray) instead of being
 written to storage. Used by online.py; rows are read back into tensors by online_worker.py with `from_row`.
 
-A row: `id` str, `input_ids` int32 [T], `loss_mask` int8 [T], `hs` [T, L, H] holding the stored dtype's bits
-(uint16 for bfloat16, uint8 for fp8, float32 as is; numpy has no bf16/fp8), `scale` [T, L] (fp8 only: shards.py's
-per-token, per-layer scale; else empty), `hs_dtype` the torch dtype name. T covers input_ids[:T] as in
-docs/design.md (generate, what it writes).
+A row: `id` str, `input_ids` int32 [T], `loss_mask` int8 [T], `hs` [T, L, H] holding the stored dtype's bits (uint16 for
+bfloat16, uint8 for fp8, float32 as is; numpy has no bf16/fp8), `scale` [T, L] (fp8 only: shard_format.py's per-token,
+per-layer scale; else empty), `hs_dtype` the torch dtype name. T covers input_ids[:T] as in docs/design.md (generate,
+what it writes).
 """
 
 from __future__ import annotations
