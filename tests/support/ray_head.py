@@ -158,8 +158,18 @@ def _head_env(temp_dir: Path, token_path: Path) -> dict[str, str]:
     return env
 
 
-def start_head(temp_dir: Path, *, num_cpus: int = 8, timeout_s: float = 90) -> RayHead:
-    """`ray start --head --block` in a process group of its own, ready when the jobs API answers."""
+def start_head(
+    temp_dir: Path,
+    *,
+    num_cpus: int = 8,
+    timeout_s: float = 90,
+    ports: dict[str, int] | None = None,
+    extra_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> RayHead:
+    """`ray start --head --block` in a process group of its own, ready when the jobs API answers. `ports` (one per
+    PORT_FLAGS entry, free ones if None), `extra_args` and `extra_env` are for heads that need more, such as the
+    autoscaling test bed (tests/support/autoscaling.py)."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     (temp_dir / "home").mkdir(exist_ok=True)
     (temp_dir / "tmp").mkdir(exist_ok=True)
@@ -167,8 +177,8 @@ def start_head(temp_dir: Path, *, num_cpus: int = 8, timeout_s: float = 90) -> R
     token_path = temp_dir / "auth_token"
     token_path.write_text(token)
     token_path.chmod(0o600)
-    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
-    env = _head_env(temp_dir, token_path)
+    ports = ports or dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
+    env = {**_head_env(temp_dir, token_path), **(extra_env or {})}
     cmd = [
         str(VENV_BIN / "ray"),
         "start",
@@ -179,6 +189,7 @@ def start_head(temp_dir: Path, *, num_cpus: int = 8, timeout_s: float = 90) -> R
         f"--temp-dir={temp_dir / 'ray'}",
         "--disable-usage-stats",
         *[f"--{flag}={port}" for flag, port in ports.items()],
+        *extra_args,
     ]
     log = open(temp_dir / "ray_start.log", "w")
     process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
