@@ -5,6 +5,7 @@
 #
 #   E3R_RECIPE=... E3R_OVERRIDES='...' E3R_STAGES=ingest,generate,train,export bash gpu_machine/background.sh start
 #   E3R_RECIPE=... E3R_STAGES=... [E3R_RECOVERY=1] bash gpu_machine/background.sh as-written   # no overrides
+#   [E3R_ADAPT_ARGS='--variants ...'] bash gpu_machine/background.sh adapt   # bench/gpu/adapt.py --scale gpu
 #   bash gpu_machine/background.sh wait [seconds]     # each later call, back to back: waits (default 560 s) for the
 #                                                   # job, copies its logs and results into $OUT, prints its events
 #
@@ -44,16 +45,35 @@ as-written)
         rc=$?; date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$log" 2>&1 < /dev/null &
     echo "started as written: $stages, log $log"
     ;;
+adapt)
+    # The adaptation benchmark (bench/gpu/adapt.py --scale gpu) from a copy of the repository in /tmp/adaptrepo: its
+    # train phase (the base recipe's run in /tmp/runs, skipped where finished; the code data; every variant), then its
+    # evaluate phase as a second process with a Ray of its own (plain decoding right after training runs slower).
+    # E3R_ADAPT_ARGS: more arguments of both phases (--variants, --base-set). The table and adapt.json land in /tmp/bg.
+    mkdir -p "$bg" /tmp/adaptrepo && rm -f "$bg/DONE"
+    tar --exclude=./.whl --exclude=./.gpu --exclude=./runs -cf - . | tar -C /tmp/adaptrepo -xf -
+    # shellcheck disable=SC2016  # expanded by the job's shell
+    setsid nohup bash -c 'cd /tmp/adaptrepo && source gpu_machine/env.sh && date -u +"start %FT%TZ adapt";
+        for phase in train evaluate; do
+            "${PY:-python3}" -m bench.gpu.adapt --scale gpu --phase $phase --out /tmp/bg/adapt.json \
+                ${E3R_ADAPT_ARGS:-} 2>&1 | tee /tmp/bg/adapt_$phase.log; rc=${PIPESTATUS[0]}
+            [ "$rc" = 0 ] || break
+        done
+        date -u +"end %FT%TZ rc=$rc"; echo "rc=$rc" > /tmp/bg/DONE' > "$bg/adapt.log" 2>&1 < /dev/null &
+    echo "started: adapt, log $bg/adapt.log"
+    ;;
 wait)
     end=$(( $(date +%s) + ${2:-560} ))
     while [ ! -f "$bg/DONE" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     if [ -f "$bg/DONE" ]; then echo "done: $(cat "$bg/DONE")"; else echo "still running"; fi
     cp -r "$bg/." "${OUT:-/tmp/e3r_out}/" 2>/dev/null
-    for log in "$bg"/recipe_*.log; do
+    for log in "$bg"/recipe_*.log "$bg"/adapt.log; do
+        [ -f "$log" ] || continue
         echo "== $log"
-        grep -a "\[eagle3\|Error\|start 20\|end 20" "$log" | grep -av "progress\|heartbeat\| train step=" | tail -25
+        grep -a "\[eagle3\|Error\|start 20\|end 20\|^| \|reaches" "$log" | grep -av "progress\|heartbeat\| train step=" \
+            | tail -25
     done
     ;;
 *)
-    echo "usage: $0 start|as-written|wait [seconds]" >&2; exit 2 ;;
+    echo "usage: $0 start|as-written|adapt|wait [seconds]" >&2; exit 2 ;;
 esac
