@@ -166,7 +166,17 @@ class AutoscalingCluster:
         which node it serves, is left to the autoscaler: it stops it when it terminates the lost node."""
         [raylet] = [p for p in self.processes() if _is_raylet_of(p, node_id)]
         doomed = [raylet, *raylet.children(recursive=True)]
-        kill_processes(doomed, timeout_s=10)
+        for proc in doomed:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        # The raylet stays a zombie until the monitor that started it reaps it, when the autoscaler terminates the
+        # lost node: waiting for it to vanish (kill_processes) would wait for the autoscaler.
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in doomed):
+            assert time.monotonic() < deadline, f"processes of node {node_id} outlived SIGKILL"
+            time.sleep(0.05)
         return [p.pid for p in doomed]
 
     def processes(self) -> list[psutil.Process]:
@@ -212,6 +222,13 @@ class AutoscalingCluster:
         kill_processes(self.processes(), timeout_s=15)
         self.head.process.wait(timeout=15)
         return self.processes()
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _is_raylet_of(proc: psutil.Process, node_id: str) -> bool:
