@@ -33,7 +33,7 @@ from tests.support.ray_head import PORT_FLAGS, RayHead, start_head
 
 PROVIDER_MODULE = "tests.support.loopback_node_provider.LoopbackNodeProvider"
 # The GCS health-checks every raylet each second and declares it dead after 3 missed checks; the autoscaler drops a
-# node it has not heard from in 5 s (Ray's defaults: about 30 s for both).
+# node it has not heard from in 5 s (Ray's defaults take tens of seconds for both).
 HEALTH_CHECK_CONFIG = {
     "health_check_initial_delay_ms": 1000,
     "health_check_period_ms": 1000,
