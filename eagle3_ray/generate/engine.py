@@ -44,7 +44,7 @@ from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.core.layers import text_config
 from eagle3_ray.core.verifiers import verifier_dir_on_this_node
 from eagle3_ray.generate import capture_model, chat, commit
-from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, start_async_engine
+from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, quiet_teardown_errors, start_async_engine
 
 START_ERROR = "generate: the vLLM engine failed to start"
 # The project's KV connector (generate/connector.py), named by module path so vLLM's workers import it; this module
@@ -589,6 +589,7 @@ def _exit_when_engine_dies(
                 alive = False
             if not alive and not retiring.is_set():
                 telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
+                quiet_teardown_errors("engine_dead")
                 on_death(f"engine process {p.pid} ended")
                 os._exit(1)
         time.sleep(poll_s)
