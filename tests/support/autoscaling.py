@@ -239,23 +239,25 @@ def _is_raylet_of(proc: psutil.Process, node_id: str) -> bool:
     return bool(cmdline) and cmdline[0].endswith("raylet") and f"--node_id={node_id}" in cmdline
 
 
+def loopback_provider(gcs_address: str, head_node_type: str) -> dict:
+    """The `provider` section that starts worker nodes on 127.0.0.1 and joins them to `gcs_address`."""
+    return {
+        "type": "external",
+        "module": PROVIDER_MODULE,
+        "gcs_address": gcs_address,
+        "head_node_type": head_node_type,
+        "use_node_id_as_ip": True,  # all nodes share 127.0.0.1; the autoscaler tells them apart by node id
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+    }
+
+
 def start_autoscaling_cluster(temp_dir: Path, config: dict, *, timeout_s: float = 90) -> AutoscalingCluster:
     """Start the head of `config` (from node_types_from_cluster_yaml) on free 127.0.0.1 ports with the loopback
     provider pointed at its GCS; returns once the jobs API answers. No worker node runs yet: they come on demand."""
     temp_dir.mkdir(parents=True, exist_ok=True)
     ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS)), strict=True))
-    config = {
-        **config,
-        "provider": {
-            "type": "external",
-            "module": PROVIDER_MODULE,
-            "gcs_address": f"127.0.0.1:{ports['port']}",
-            "head_node_type": config["head_node_type"],
-            "use_node_id_as_ip": True,  # all nodes share 127.0.0.1; the autoscaler tells them apart by node id
-            "disable_node_updaters": True,
-            "disable_launch_config_check": True,
-        },
-    }
+    config = {**config, "provider": loopback_provider(f"127.0.0.1:{ports['port']}", config["head_node_type"])}
     config_path = temp_dir / "autoscaling.json"
     config_path.write_text(json.dumps(config, indent=2))
     head_resources = dict(config["available_node_types"][config["head_node_type"]]["resources"])
