@@ -376,6 +376,7 @@ class EngineActor:
         test) to find the engine of a replica, and the engine's batch limits. Returns the vLLM processes (EngineCore,
         workers)."""
         import psutil
+        import ray
 
         def command(proc: psutil.Process) -> str | None:
             try:
@@ -389,6 +390,7 @@ class EngineActor:
         scheduler = self.engine.vllm_config.scheduler_config
         info = {
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "engine_pids": [p.pid for p, _cmd in children],
             "scratch": self.scratch,
             "kind": self.kind,
@@ -398,7 +400,14 @@ class EngineActor:
             "max_num_seqs": scheduler.max_num_seqs,
         }
         storage.write_json_atomic(storage.join(self.out_dir, "engines", f"{os.path.basename(self.scratch)}.json"), info)
-        telemetry.log("generate", "engine_ready", pid=os.getpid(), engine_pids=info["engine_pids"], kind=self.kind)
+        telemetry.log(
+            "generate",
+            "engine_ready",
+            node=info["node_id"],
+            pid=os.getpid(),
+            engine_pids=info["engine_pids"],
+            kind=self.kind,
+        )
         return [p for p, cmd in children if "VLLM" in cmd]
 
     async def __call__(self, batch: dict[str, Any]) -> dict[str, list]:

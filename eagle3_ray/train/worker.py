@@ -559,6 +559,8 @@ class Loop:
     def restore(self) -> None:
         """Resume after the last reported checkpoint: weights, optimizer, scheduler, RNG, epoch and step. A run
         without a checkpoint of its own starts from `train.init_from`'s weights, if set."""
+        node = ray.get_runtime_context().get_node_id()
+        log("train", "worker_started", rank=self.rank, world=self.world, node=node, pid=os.getpid())
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
             if self.args.init_from is not None:
@@ -568,10 +570,9 @@ class Loop:
             state = checkpoints.restore(d, self.raw, self.optimizers, self.schedulers)
         self.start_epoch, self.step, self.best = state["epoch"] + 1, state["step"], state["best"]
         if self.rank == 0:
-            log("train", "resumed", from_epoch=state["epoch"], next_epoch=self.start_epoch, step=self.step)
-            self.sinks.jsonl.write(
-                {"kind": "resumed", "from_epoch": state["epoch"], "next_epoch": self.start_epoch, "step": self.step}
-            )
+            resumed = {"from_epoch": state["epoch"], "next_epoch": self.start_epoch, "step": self.step, "node": node}
+            log("train", "resumed", **resumed)
+            self.sinks.jsonl.write({"kind": "resumed", **resumed})
             self._repair_best(state)
 
     def _start_from(self, init: dict[str, Any]) -> None:
