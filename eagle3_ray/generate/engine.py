@@ -44,7 +44,13 @@ from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.core.layers import text_config
 from eagle3_ray.core.verifiers import verifier_dir_on_this_node
 from eagle3_ray.generate import capture_model, chat, commit
-from eagle3_ray.generate.engine_loop import ByteBudget, RequestLoop, quiet_teardown_errors, start_async_engine
+from eagle3_ray.generate.engine_loop import (
+    ByteBudget,
+    RequestLoop,
+    process_exiting,
+    quiet_teardown_errors,
+    start_async_engine,
+)
 
 START_ERROR = "generate: the vLLM engine failed to start"
 # The project's KV connector (generate/connector.py), named by module path so vLLM's workers import it; this module
@@ -597,6 +603,9 @@ def _exit_when_engine_dies(
             except psutil.NoSuchProcess:
                 alive = False
             if not alive and not retiring.is_set():
+                if process_exiting():  # an atexit handler or finaliser stopped the engine before close() did
+                    quiet_teardown_errors("exiting")
+                    return
                 telemetry.log("generate", "engine_dead", pid=os.getpid(), engine_pid=p.pid)
                 quiet_teardown_errors("engine_dead")
                 on_death(f"engine process {p.pid} ended")

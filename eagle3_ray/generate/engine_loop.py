@@ -59,6 +59,12 @@ def start_async_engine(kwargs: dict[str, Any]):
         return pool.submit(build).result()
 
 
+def process_exiting() -> bool:
+    """The interpreter is shutting down (the actor exits: Python stops the main thread before it runs atexit
+    handlers and finalisers, which may stop the engine before the actor's own close() does)."""
+    return not threading.main_thread().is_alive()
+
+
 def quiet_teardown_errors(reason: str) -> None:
     """From now on this process is ending (the engine died, or the finished stage retires the actor): an error that
     vLLM's teardown raises in a thread of its own, in an object's finaliser or in an asyncio task nobody awaits any
@@ -135,7 +141,7 @@ class RequestLoop:
             async for out in self.engine.generate(prompt, params, request_id):
                 final = out
         except Exception as e:
-            if self.retiring.is_set():  # close() stopped the engine under this request: the process is exiting
+            if self.retiring.is_set() or process_exiting():  # the engine stopped because the process is exiting
                 return
             self._die(e)
         self.num_finished += 1
