@@ -53,9 +53,14 @@ class RunConfig:
     """Ray cluster to join ("auto", "ray://..."); None starts a local Ray or joins the job's cluster."""
     num_cpus: int | None = None
     """Logical CPUs for a local Ray started by this run (None: Ray's default). Unused when joining a cluster."""
+    resource_wait_s: float = 600.0
+    """How long a stage waits for the cluster to hold one of its replicas or worker groups (an autoscaler starting a
+    node takes minutes) before it fails with one line naming the resources and the config fields that ask for them.
+    A local Ray started by the run has no autoscaler: there the answer is immediate."""
 
     def __post_init__(self) -> None:
         _check(bool(self.storage_path), "run.storage_path", "must not be empty")
+        _check(self.resource_wait_s > 0, "run.resource_wait_s", "must be > 0")
         if "://" not in self.storage_path:
             # Ray Train parses a storage path as a URI: a relative one has no scheme and fails. Anchor local paths
             # where the command runs, which is also where a user looks for `runs/`.

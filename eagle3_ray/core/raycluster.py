@@ -13,6 +13,12 @@ from eagle3_ray.core.config import RunConfig
 DEFAULT_ENV = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 
 
+def joins_cluster(run: RunConfig) -> bool:
+    """True when the run joins a cluster (`run.ray_address`, or RAY_ADDRESS under `ray job submit`), which may have
+    an autoscaler; False for a local Ray that this process starts (or a test started), which has none."""
+    return bool(run.ray_address or os.environ.get("RAY_ADDRESS"))
+
+
 def ensure_ray(run: RunConfig) -> None:
     """Initialise Ray once: join `run.ray_address` or the job's cluster, else start a local one.
 
@@ -23,8 +29,7 @@ def ensure_ray(run: RunConfig) -> None:
     if ray.is_initialized():
         return
     runtime_env = {"env_vars": dict(DEFAULT_ENV)}
-    address = run.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    if joins_cluster(run):
+        ray.init(address=run.ray_address or os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(address="local", num_cpus=run.num_cpus, runtime_env=runtime_env, log_to_driver=True)

@@ -116,12 +116,33 @@ def replica_options(cfg: Config, created: list) -> dict[str, Any]:
     return {"num_cpus": 1, "num_gpus": 0, **_replica_group(cfg, created)}
 
 
+def replica_bundles(cfg: Config) -> tuple[list[dict[str, float]], str, str]:
+    """What one engine replica occupies: (bundles, placement strategy, the config fields that set them). TP>1:
+    one bundle per TP worker, all on one node."""
+    gen = cfg.generate
+    if gen.tensor_parallel_size == 1:
+        bundle = {"CPU": gen.num_cpus_per_replica, "GPU": gen.num_gpus_per_worker}
+        return [bundle], "PACK", "generate.num_cpus_per_replica, generate.num_gpus_per_worker"
+    bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
+    return bundles, "STRICT_PACK", "generate.tensor_parallel_size, generate.num_gpus_per_worker"
+
+
+def ensure_replica_fits(cfg: Config) -> float:
+    """Wait (run.resource_wait_s) until the cluster can hold one engine replica; one error line when it cannot."""
+    from eagle3_ray.core.raycluster import joins_cluster
+    from eagle3_ray.core.resources import ensure_schedulable
+
+    bundles, strategy, fields = replica_bundles(cfg)
+    return ensure_schedulable(
+        "generate", bundles, strategy, fields, wait_s=cfg.run.resource_wait_s, local=not joins_cluster(cfg.run)
+    )
+
+
 def _replica_group(cfg: Config, created: list) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gen = cfg.generate
-    bundles = [{"GPU": gen.num_gpus_per_worker, "CPU": 1}] * gen.tensor_parallel_size
-    pg = ray.util.placement_group(bundles, strategy="STRICT_PACK")
+    bundles, strategy, _fields = replica_bundles(cfg)
+    pg = ray.util.placement_group(bundles, strategy=strategy)
     created.append(pg)
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)}

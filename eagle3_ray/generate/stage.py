@@ -29,6 +29,7 @@ from eagle3_ray.generate.output import capture_contract, clean_orphans, committe
 from eagle3_ray.generate.plan import (
     Unit,
     chat_encoder,
+    ensure_replica_fits,
     placement_args,
     plan_units,
     sample_cost,
@@ -54,6 +55,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def _generate(cfg: Config, ingest_dir: str, out: str) -> dict[str, Any]:
     ensure_ray(cfg.run)
+    ensure_replica_fits(cfg)
     verifier_path = verifier_dir(cfg)
     contract = capture_contract(cfg, verifier_path)
     storage.write_json_atomic(storage.join(out, "capture.json"), contract)

@@ -163,6 +163,7 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
 
     init_from.check_before_compute(cfg)
     ensure_ray(cfg.run)
+    ensure_workers_fit(cfg)
     created_pgs: list = []
     engines: list = []
     try:
@@ -178,6 +179,20 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
     return {**finish(cfg, out_dir, split, {}), "init_from": initial}
 
 
+def ensure_workers_fit(cfg: Config) -> float:
+    """Wait (run.resource_wait_s) until the cluster can hold the whole worker group (Ray Train's PACK placement);
+    one error line when it cannot."""
+    from eagle3_ray.core.raycluster import joins_cluster
+    from eagle3_ray.core.resources import ensure_schedulable
+
+    tc = cfg.train
+    bundles = [{"CPU": tc.cpus_per_worker, "GPU": 1 if tc.use_gpu else 0}] * tc.num_workers
+    fields = "train.num_workers, train.cpus_per_worker, train.use_gpu"
+    return ensure_schedulable(
+        "train", bundles, "PACK", fields, wait_s=cfg.run.resource_wait_s, local=not joins_cluster(cfg.run)
+    )
+
+
 def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     from eagle3_ray.core.raycluster import ensure_ray
     from eagle3_ray.train.worker import WorkerArgs
@@ -186,6 +201,7 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     if cfg.train.init_from is not None:
         init_from.check(cfg, capture)  # against the data it will train on, before Ray starts
     ensure_ray(cfg.run)
+    ensure_workers_fit(cfg)
     refs, problems = prepare_samples(gen_dir, capture, cfg)
     roles = [data.split_role(r.id, cfg) for r in refs]
     val = [r for r, role in zip(refs, roles, strict=True) if role == "val"]

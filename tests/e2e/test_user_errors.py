@@ -84,3 +84,32 @@ def test_a_split_that_leaves_a_worker_without_samples_ends_train_with_one_line_a
     )
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not list((tmp_path / "runs").rglob("checkpoint*"))
+
+
+def test_a_worker_group_no_node_can_hold_ends_train_with_one_line_naming_its_fields_and_exit_2(
+    tmp_path, tmp_path_factory, tiny_llama, _isolated_env
+):
+    """A GPU asked of a Ray without one: Ray would wait forever; the stage says what it needs and which fields ask
+    for it, before any worker starts."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"run: {{storage_path: {tmp_path / 'runs'}, name: gpu}}\ntrain: {{num_workers: 1, use_gpu: true}}\n"
+    )
+    point_generate_at(load_config(str(recipe), []), shared_generate_output(tmp_path_factory, tiny_llama, **GEN))
+    proc = subprocess.run(
+        [sys.executable, "ray_jobs/train.py", str(recipe)],
+        cwd=REPO,
+        env={**os.environ, **_isolated_env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert re.fullmatch(
+        r"error: train needs 1 x \{'CPU': 1.0, 'GPU': 1\} and this local Ray cannot hold it \(its resources: "
+        r"\{'CPU': [\d.]+\}\); set by train.num_workers, train.cpus_per_worker, train.use_gpu",
+        errors[0],
+    ), errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not list((tmp_path / "runs").rglob("checkpoint*"))
