@@ -16,6 +16,7 @@ from eagle3_ray.core import storage
 from eagle3_ray.core.config import UserError, config_from_dict
 from eagle3_ray.train import export, init_from
 from eagle3_ray.train import stage as train
+from eagle3_ray.train.worker import FAULT_INJECTION_ENV
 from tests.support import REPO
 from tests.support.drafters import attach, cached_run
 from tests.support.generate_output import point_generate_at, shared_generate_output
@@ -92,6 +93,26 @@ def test_a_run_started_from_an_exported_drafter_validates_better_after_its_first
     assert "init_from_checked" in out and f"rows_from_drafter={rows['rows_from_drafter']}" in out
     provenance = storage.read_json(storage.join(out_dir, "provenance.json"))
     assert provenance["inputs"]["init_from"] == exported_drafter
+
+
+def test_a_warm_started_run_that_resumes_restores_its_own_checkpoint_not_the_initial_drafter(
+    ray_session, tmp_path_factory, tiny_llama, exported_drafter, tmp_path, monkeypatch
+):
+    gen_dir = shared_generate_output(tmp_path_factory, tiny_llama, num_samples=40, max_new_tokens=40)
+    cfg = _train_cfg(tmp_path, "warm-killed", tiny_llama, init_from=exported_drafter, epochs=2, max_failures=1)
+    point_generate_at(cfg, gen_dir)
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "1,1")  # a real SIGKILL of a worker in epoch 1: Ray Train restarts them
+    summary = train.run(cfg)
+
+    out_dir = storage.stage_dir(cfg.run.run_dir, "train", summary["version"])
+    assert os.path.exists(os.path.join(out_dir, "_fault_injected"))
+    # the restarted workers restored epoch 0's checkpoint; the initial drafter was loaded once, before epoch 0 only
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        starts = [r for r in map(json.loads, f) if r["kind"] in ("started_from", "resumed")]
+    assert [r["kind"] for r in starts] == ["started_from", "resumed"], starts
+    assert (starts[1]["from_epoch"], starts[1]["next_epoch"]) == (0, 1)
+    assert [r["epoch"] for r in _records(out_dir, "validation")] == [0, 1]
+    assert summary["init_from"]["path"] == exported_drafter
 
 
 def _pipeline(tmp_path, env, *overrides) -> subprocess.CompletedProcess:
