@@ -62,7 +62,14 @@ class Scale:
 SCALES = {
     "cpu": Scale(
         base_recipe="ray_jobs/configs/smollm2_quick_cpu.yaml",
-        base_set=("run.name=adapt-base-cpu", "ingest.max_rows=24", "generate.max_tokens=16", "train.epochs=1"),
+        base_set=(
+            "run.name=adapt-base-cpu",
+            "ingest.max_rows=40",
+            "generate.max_tokens=16",
+            "train.epochs=1",
+            "train.num_workers=1",
+            "train.val_fraction=0.25",
+        ),
         code_train_rows=(64, 72),
         num_code_eval=4,
         num_mtbench=4,
@@ -282,6 +289,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_f(code.get('speedup'))} | {_f(mt.get('mean_acceptance_length'))} | {_f(mt.get('speedup'))} | "
             f"{t.get('num_train_samples', '')} | {t.get('steps', '')} | {t.get('train_export_s', '')} | {replay} |"
         )
+    lines.append(
+        "\nbase: its train samples, steps and seconds are the base run's own (ingest..export when this driver made it)"
+    )
     for c in results["cost"]:
         lines.append(
             f"\n{c['warm']} reaches {c['cold']}'s last-epoch replay estimate ({c['cold_final_val_replay']:.3f}) "
