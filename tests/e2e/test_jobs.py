@@ -1,14 +1,26 @@
-"""The pipeline as users run it on a cluster: `ray job submit` to a real `ray start --head` (token auth on), watched
-through the dashboard's REST API, its run dir on an S3-compatible server, stopped mid-generate and resubmitted under
-the same run name, which resumes it (one run: tests/support/ray_head.py's pipeline_job)."""
+"""The pipeline as users run it on a cluster: `ray job submit` to the autoscaling bed made from cluster.yaml (token
+auth on, worker nodes that start from zero), watched through the dashboard's REST API, its run dir on an
+S3-compatible server, stopped mid-generate and resubmitted under the same run name, which resumes it, and in that job
+a worker node lost mid-generate and another mid-train (one run: tests/support/pipeline_job.py's pipeline_job)."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import psutil
 import pytest
 
 from eagle3_ray.core import shards, storage
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.NoSuchProcess:  # a worker that finished meanwhile
+        return []
 
 
 def test_submitted_pipeline_on_an_s3_run_dir_writes_every_stage_to_the_object_store(pipeline_job, s3_env):
@@ -46,14 +58,15 @@ def test_every_train_worker_line_appears_once_in_the_job_log(pipeline_job):
     assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1][:3]
 
 
-def test_rest_api_needs_the_token(ray_head, pipeline_job):
-    assert ray_head.status_code("/api/jobs/eagle3-full", token="") == 401
-    assert ray_head.status_code("/api/jobs/eagle3-full", token="0" * 64) == 403
-    assert ray_head.job("eagle3-full")["status"] == "SUCCEEDED"
+def test_rest_api_needs_the_token(autoscaling_cluster, pipeline_job):
+    head = autoscaling_cluster.head
+    assert head.status_code("/api/jobs/eagle3-full", token="") == 401
+    assert head.status_code("/api/jobs/eagle3-full", token="0" * 64) == 403
+    assert head.job("eagle3-full")["status"] == "SUCCEEDED"
 
 
-def test_dashboard_train_view_lists_the_training_run(ray_head, pipeline_job):
-    runs = ray_head.get("/api/train/v2/runs/v1")  # the Train V2 runs route in Ray 2.60
+def test_dashboard_train_view_lists_the_training_run(autoscaling_cluster, pipeline_job):
+    runs = autoscaling_cluster.head.get("/api/train/v2/runs/v1")  # the Train V2 runs route in Ray 2.60
     names = [run["name"] for run in runs.get("train_runs", [])]
     assert names, f"no Train runs reported (is RAY_TRAIN_ENABLE_STATE_TRACKING=1 reaching the controller?): {runs}"
 
@@ -80,3 +93,61 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(pipel
     assert not [uri for uri in storage.list_files(generated) if ".tmp-" in uri]
     for r in manifest:
         assert shards.read_sample(storage.join(generated, "shards", r["shard"]), r["key"]).shape[0] == r["num_tokens"]
+
+
+def test_nodes_start_from_zero_for_the_job_and_go_when_it_is_done(autoscaling_cluster, pipeline_job):
+    """The head schedules no work: every stage ran on worker nodes the autoscaler started from zero (the two killed
+    ones and their replacements among them), all on 127.0.0.1, and the idle nodes went once the job was done."""
+    assert pipeline_job.workers_at_start == [], "the bed must start with no worker node"
+    killed = {k.node_id for k in pipeline_job.kills}
+    assert killed < pipeline_job.workers_seen, (killed, pipeline_job.workers_seen)
+    nodes = autoscaling_cluster.nodes()
+    assert {n["node_ip"] for n in nodes} == {"127.0.0.1"}
+    assert autoscaling_cluster.workers() == [] and pipeline_job.scale_down_s is not None
+    assert autoscaling_cluster.non_loopback_listeners() == []
+    temp_dirs = {
+        arg.split("=", 1)[1]
+        for proc in autoscaling_cluster.processes()
+        for arg in _cmdline(proc)
+        if re.match(r"--(temp[-_]dir|session[-_]dir)=", arg)
+    }
+    assert temp_dirs and all(d.startswith(str(autoscaling_cluster.temp_dir)) for d in temp_dirs), temp_dirs
+    print(f"idle worker nodes gone {pipeline_job.scale_down_s:.1f} s after the job")
+
+
+def test_a_generate_node_lost_mid_stage_costs_only_its_units(pipeline_job, s3_env):
+    """The node of a generate engine was SIGKILLed after the resubmitted job committed a unit: Ray restarted the
+    engine actor on another node and retried the lost units; the job log names the engine's node before and after."""
+    [kill] = [k for k in pipeline_job.kills if k.stage == "generate"]
+    generated = storage.latest(pipeline_job.run_dir, "generate")["path"]
+    engines = [storage.read_json(uri) for uri in storage.list_files(storage.join(generated, "engines"), ".json")]
+    nodes = {e["node_id"] for e in engines}
+    assert kill.node_id in nodes and len(nodes) >= 2, engines
+    logged = {line.split(" node=")[1].split()[0] for line in pipeline_job.logs.splitlines() if "engine_ready" in line}
+    assert kill.node_id in logged and len(logged) >= 2, logged
+    replacement = min(e["ready_time"] for e in engines if e["ready_time"] > kill.wall)
+    print(f"generate: engine ready on another node {replacement - kill.wall:.1f} s after its node was killed")
+
+
+def test_a_train_node_lost_mid_run_resumes_from_its_last_checkpoint_on_another_node(pipeline_job, s3_env):
+    """The train worker's node was SIGKILLed after the first epoch's checkpoint: Ray Train (FailureConfig) started
+    the worker group again on a new node without a resubmit, it resumed after the last checkpoint, and every epoch's
+    validation is there."""
+    [kill] = [k for k in pipeline_job.kills if k.stage == "train"]
+    trained = storage.latest(pipeline_job.run_dir, "train")["path"]
+    records = [
+        json.loads(line)
+        for line in storage.read_bytes(storage.join(trained, "metrics.jsonl")).decode().splitlines()
+        if line.strip()
+    ]
+    [resumed] = [r for r in records if r["kind"] == "resumed"]
+    assert resumed["next_epoch"] == resumed["from_epoch"] + 1 and resumed["node"] != kill.node_id, resumed
+    epochs = [r["epoch"] for r in records if r["kind"] == "validation"]
+    assert sorted(set(epochs)) == list(range(6)) and epochs[-1] == 5, epochs
+    started = [line for line in pipeline_job.logs.splitlines() if "worker_started" in line]
+    assert any(f"node={kill.node_id}" in line for line in started) and len(started) >= 2, started
+    done_before = [r for r in records if r["kind"] == "validation" and r["time"] < kill.wall]
+    print(
+        f"train: resumed after epoch {resumed['from_epoch']} {resumed['time'] - kill.wall:.1f} s after its node was "
+        f"killed; {len(done_before)} epoch(s) were done at the kill"
+    )

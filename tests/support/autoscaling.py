@@ -6,7 +6,7 @@ stopped by its own PIDs, never by `ray stop`.
 
     config = node_types_from_cluster_yaml(REPO / "cluster.yaml")
     cluster = start_autoscaling_cluster(tmp_path / "bed", config)
-    cluster.head.submit("job-1", sys.executable, "tests/support/autoscaling_job.py")   # RayHead's client
+    cluster.head.submit("job-1", sys.executable, "ray_jobs/pipeline.py", ...)   # RayHead's client
     [node] = cluster.wait_for_workers(1, node_type="cpu_worker", timeout_s=60)
     cluster.kill_node(node["node_id"])
     assert not cluster.stop()   # survivors, if any
@@ -57,7 +57,7 @@ def node_types_from_cluster_yaml(
     object_store_bytes: int = 200 * 2**20,
     max_workers_per_type: int = 2,
     max_workers: int = 3,
-    idle_timeout_minutes: float = 0.1,
+    idle_timeout_minutes: float = 0.25,
 ) -> dict:
     """The autoscaler config of `path` scaled down to this machine, field by field:
 

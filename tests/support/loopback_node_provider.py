@@ -59,6 +59,9 @@ class LoopbackNodeProvider(FakeMultiNodeProvider):
                 object_store_memory=resources.pop("object_store_memory", None),
                 resources=resources,
                 labels=labels,
+                # Every node of the bed shares the head's session logs dir, whose log monitor already streams each
+                # worker's log to its driver: a monitor per worker node would stream every line once per node.
+                include_log_monitor=False,
                 env_vars={
                     "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
                     "RAY_CLOUD_INSTANCE_ID": node_id,
@@ -83,8 +86,11 @@ class LoopbackNodeProvider(FakeMultiNodeProvider):
                     TAG_RAY_NODE_KIND: NODE_KIND_WORKER,
                     TAG_RAY_USER_NODE_TYPE: node_type,
                     TAG_RAY_NODE_NAME: node_id,
-                    TAG_RAY_NODE_STATUS: STATUS_UP_TO_DATE,
                     **tags,
+                    # Up to date once created (its raylet runs; there is nothing to install): the launcher's tags say
+                    # `uninitialized`, and with node updaters disabled the autoscaler never replaces a node in that
+                    # state when it stops heartbeating, so a killed node would block its replacement forever.
+                    TAG_RAY_NODE_STATUS: STATUS_UP_TO_DATE,
                 },
                 "node": node,
             }

@@ -1,8 +1,6 @@
 """A real `ray start --head` for job tests: free ports, its temp dir inside the test's, token auth on, and a
 REST/CLI client that always sends the token. Stopped by its own PIDs, never by `ray stop` (which would kill every
-Ray process on this shared machine).
-
-Test modules load it with `pytest_plugins = ["helpers_ray_head"]`, so the `ray_head` fixture is one per session.
+Ray process on this shared machine). The autoscaling bed (tests/support/autoscaling.py) starts its head with it.
 """
 
 from __future__ import annotations
@@ -22,10 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3_ray.core import storage
 from tests.support import REPO
 from tests.support.processes import free_ports, kill_processes
-from tests.support.s3 import pointed_at
 
 VENV_BIN = Path(sys.executable).parent
 PORT_FLAGS = (
@@ -131,12 +127,6 @@ class RayHead:
             time.sleep(every_s)
         pytest.fail(f"job {submission_id} not {statuses} after {timeout_s}s:\n{self.logs(submission_id)[-6000:]}")
 
-    def metrics_text(self) -> str:
-        """The head node's Prometheus text (custom metrics arrive with a `ray_` prefix)."""
-        url = f"http://127.0.0.1:{self.ports['metrics-export-port']}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.read().decode()
-
 
 def _head_env(temp_dir: Path, token_path: Path) -> dict[str, str]:
     env = dict(os.environ)
@@ -229,133 +219,3 @@ def stop_head(head: RayHead) -> None:
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     kill_processes(_own_processes(head), timeout_s=10)
-
-
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory):
-    """One real Ray head for the job and metrics tests (8 logical CPUs, token auth on)."""
-    head = start_head(tmp_path_factory.mktemp("head"))
-    yield head
-    stop_head(head)
-
-
-def metric_samples(text: str, prefix: str = "ray_eagle3_") -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample whose name starts with `prefix` in Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return [
-        (s.name, s.labels, s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith(prefix)
-    ]
-
-
-@dataclass
-class FinishedJob:
-    """A job that ran to SUCCEEDED: its REST record, logs, run dir and every custom metric scraped while it ran."""
-
-    info: dict
-    logs: str
-    run_dir: Path | str | None
-    metrics: list[tuple[str, dict[str, str], float]]
-    elapsed_s: float
-    stopped_logs: str = ""
-
-
-def run_job(
-    head: RayHead,
-    submission_id: str,
-    entrypoint: list[str],
-    run_dir: Path | None,
-    *,
-    timeout_s: float = 900,
-    env_vars: dict[str, str] | None = None,
-) -> FinishedJob:
-    """Submit, poll GET /api/jobs/{id} until SUCCEEDED, scraping the head's metrics endpoint at every poll
-    (metrics of short-lived workers vanish once they exit, so a scrape after the job could miss them)."""
-    start = time.monotonic()
-    scraped: list[tuple[str, dict[str, str], float]] = []
-    head.submit(submission_id, *entrypoint, env_vars=env_vars)
-    info = head.wait(
-        submission_id,
-        {"SUCCEEDED"},
-        timeout_s=timeout_s,
-        every_s=2.0,
-        on_poll=lambda _: scraped.extend(metric_samples(head.metrics_text())),
-    )
-    return FinishedJob(
-        info=info, logs=head.logs(submission_id), run_dir=run_dir, metrics=scraped, elapsed_s=time.monotonic() - start
-    )
-
-
-RECIPE = "ray_jobs/configs/tiny_kimi_cpu.yaml"
-# The seeds' model family (a tiny Kimi-K2.5-shaped verifier: MLA + MoE under a multimodal wrapper,
-# tests/e2e/test_mla_pipeline.py reads this run too), kept small: short responses, one train worker (all batches on
-# it) for 6 short epochs at a higher learning rate so that the drafter learns something, a short evaluation at c=1.
-LEAN = [
-    "ingest.max_rows=12",
-    "generate.max_tokens=24",
-    "generate.max_batch_tokens=256",
-    "train.num_workers=1",
-    "train.epochs=6",
-    "train.total_seq_len=256",
-    "train.lr=0.001",
-    "train.warmup_steps=2",
-    "train.log_every_steps=1",
-    "evaluate.num_prompts=4",
-    "evaluate.max_tokens=24",
-    "evaluate.concurrency=[1]",
-    "evaluate.baseline_again=false",
-    "evaluate.contract_prompts=4",
-]
-
-
-def pipeline_entrypoint(storage_path: Path | str, name: str, *extra: str) -> list[str]:
-    # The venv's interpreter, not `python`: the entrypoint shell's PATH is the head's, not ours.
-    return [
-        sys.executable,
-        "ray_jobs/pipeline.py",
-        RECIPE,
-        f"run.storage_path={storage_path}",
-        f"run.name={name}",
-        *LEAN,
-        *extra,
-    ]
-
-
-# The stop must land while generate still has units to come: about one sample per unit, two in flight, 24 samples.
-STOPPABLE = [
-    "ingest.max_rows=24",
-    "generate.max_tokens=32",
-    "generate.max_batch_tokens=120",
-    "generate.units_in_flight=2",
-]
-
-
-@pytest.fixture(scope="session")
-def pipeline_job(ray_head, s3_server) -> FinishedJob:
-    """The whole tiny Kimi pipeline as users run it, once per session (the job, metrics, object-store and MLA tests
-    read the same run): its run dir on the loopback S3 server (every stage reads and writes it through pyarrow's
-    filesystems, Ray Train's checkpoints go there too), submitted, stopped through the Jobs REST API (what
-    `ray job stop` calls) the moment generate's first unit commits, then resubmitted under the same run name, which
-    resumes it. Returns the resubmitted job, `stopped_logs` holding the first one's log. Read the run in a test
-    through `s3_env`."""
-    storage_path = f"s3://{s3_server.bucket}/runs"
-    run_dir = f"{storage_path}/full"
-    entrypoint = pipeline_entrypoint(storage_path, "full", *STOPPABLE)
-    with pointed_at(s3_server):
-        ray_head.submit("eagle3-full-stopped", *entrypoint, env_vars=s3_server.env)
-        deadline = time.monotonic() + 600
-        generate = f"{run_dir}/generate"
-        while not any(storage.list_files(f"{generate}/{v}/parts", ".parquet") for v in storage.list_dirs(generate)):
-            assert time.monotonic() < deadline, ray_head.logs("eagle3-full-stopped")[-4000:]
-            status = ray_head.job("eagle3-full-stopped")["status"]
-            assert status in ("PENDING", "RUNNING"), ray_head.logs("eagle3-full-stopped")[-4000:]
-            time.sleep(0.1)
-        assert ray_head.post("/api/jobs/eagle3-full-stopped/stop")["stopped"]
-        assert ray_head.wait("eagle3-full-stopped", {"STOPPED"}, timeout_s=120)["status"] == "STOPPED"
-        assert not storage.exists(f"{run_dir}/generate/LATEST.json"), "the job finished before it was stopped"
-    job = run_job(ray_head, "eagle3-full", entrypoint, run_dir, env_vars=s3_server.env)
-    job.stopped_logs = ray_head.logs("eagle3-full-stopped")
-    return job
