@@ -201,12 +201,12 @@ def _train(cfg: Config, gen_dir: str, out_dir: str) -> dict:
     if cfg.train.init_from is not None:
         init_from.check(cfg, capture)  # against the data it will train on, before Ray starts
     ensure_ray(cfg.run)
-    ensure_workers_fit(cfg)
     refs, problems = prepare_samples(gen_dir, capture, cfg)
     roles = [data.split_role(r.id, cfg) for r in refs]
     val = [r for r, role in zip(refs, roles, strict=True) if role == "val"]
     train_refs = [r for r, role in zip(refs, roles, strict=True) if role == "train"]
     check_split(len(train_refs), len(val), cfg)
+    ensure_workers_fit(cfg)  # what the data allows first: a split error is the same on any cluster
     split = {
         "val_fraction": cfg.train.val_fraction,
         "num_train": len(train_refs),

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from eagle3_ray.core import shards, storage
+from tests.support.pipeline_job import STOPPABLE, pipeline_entrypoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -151,3 +152,27 @@ def test_a_train_node_lost_mid_run_resumes_from_its_last_checkpoint_on_another_n
         f"train: resumed after epoch {resumed['from_epoch']} {resumed['time'] - kill.wall:.1f} s after its node was "
         f"killed; {len(done_before)} epoch(s) were done at the kill"
     )
+
+
+def test_a_job_asking_for_a_node_no_type_can_make_fails_with_one_line_instead_of_waiting(
+    autoscaling_cluster, pipeline_job, s3_server
+):
+    """16 GPUs on one node for one engine replica, where cluster.yaml's biggest type has 8: Ray and the autoscaler
+    would wait forever; the generate stage fails after run.resource_wait_s with one line naming what it needs and the
+    fields that ask for it. (Runs after the session's pipeline job, on the same bed.)"""
+    head = autoscaling_cluster.head
+    storage_path = f"s3://{s3_server.bucket}/runs"
+    too_big = ["generate.tensor_parallel_size=16", "generate.num_gpus_per_worker=1", "run.resource_wait_s=5"]
+    entrypoint = pipeline_entrypoint(storage_path, "too-big", "--stages", "ingest,generate", *STOPPABLE, *too_big)
+    head.submit("eagle3-too-big", *entrypoint, env_vars=s3_server.env)
+    info = head.wait("eagle3-too-big", {"FAILED"}, timeout_s=300)
+    logs = head.logs("eagle3-too-big")
+    errors = [line for line in logs.splitlines() if line.startswith("error:")]
+    assert info["driver_exit_code"] == 2 and len(errors) == 1, (info, logs[-3000:])
+    assert re.fullmatch(
+        r"error: generate needs 16 x \{'CPU': 1, 'GPU': 1.0\} on one node and the cluster after 5 s cannot hold it "
+        r"\(its resources: \{.*\}\); set by generate.tensor_parallel_size, generate.num_gpus_per_worker; no node "
+        r"type of the autoscaler makes such a node or none came \(run.resource_wait_s\)",
+        errors[0],
+    ), errors[0]
+    assert "Traceback" not in logs
