@@ -1,5 +1,5 @@
-"""Whether the cluster can hold what a stage asks for, answered before the stage starts: one engine replica, one
-training worker group, one evaluation engine. Ray itself waits forever for resources no node has and no node type
+"""Whether the cluster can hold what a stage asks for, answered before the stage starts: one generate engine
+replica, one training worker group. Ray itself waits forever for resources no node has and no node type
 of the autoscaler can make (a STRICT_PACK group of 8 GPUs on a cluster of 4-GPU nodes, a GPU on a CPU cluster); a
 stage instead fails with one line naming the resources and the config fields that ask for them.
 
@@ -13,25 +13,27 @@ from __future__ import annotations
 import time
 
 from eagle3_ray.core import telemetry
-from eagle3_ray.core.config import UserError
+from eagle3_ray.core.config import RunConfig, UserError
+from eagle3_ray.core.raycluster import joins_cluster
 
 # A local Ray started by the run has no autoscaler: what its nodes cannot hold now, nothing will add.
 LOCAL_WAIT_S = 5.0
 
 
 def ensure_schedulable(
-    stage: str, bundles: list[dict[str, float]], strategy: str, fields: str, *, wait_s: float, local: bool
+    stage: str, bundles: list[dict[str, float]], strategy: str, fields: str, run: RunConfig
 ) -> float:
     """Wait until a placement group of `bundles` (`strategy`: PACK, STRICT_PACK, SPREAD) is placed, then remove it;
-    returns the seconds it took. UserError after `wait_s` (LOCAL_WAIT_S when `local`) naming `fields`, the config
-    fields that set these bundles."""
+    returns the seconds it took. UserError naming `fields`, the config fields that set these bundles, after
+    `run.resource_wait_s` on a cluster the run joins, or LOCAL_WAIT_S on a local Ray."""
     import ray
 
     bundles = [{k: v for k, v in b.items() if v} for b in bundles]
+    local = not joins_cluster(run)
     start = time.monotonic()
     group = ray.util.placement_group(bundles, strategy=strategy)
     try:
-        timeout = LOCAL_WAIT_S if local else wait_s
+        timeout = LOCAL_WAIT_S if local else run.resource_wait_s
         ready, _ = ray.wait([group.ready()], timeout=timeout)
     finally:
         ray.util.remove_placement_group(group)

@@ -65,18 +65,24 @@ def process_exiting() -> bool:
     return not threading.main_thread().is_alive()
 
 
-def quiet_teardown_errors(reason: str) -> None:
+def _teardown_line(reason: str, where: str, error: BaseException | None, detail: str = "") -> None:
+    text = f"{type(error).__name__}: {error}" if error is not None else detail
+    telemetry.log("generate", "teardown_error", pid=os.getpid(), reason=reason, where=where, error=text[:300])
+
+
+def quiet_teardown_errors(reason: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
     """From now on this process is ending (the engine died, or the finished stage retires the actor): an error that
-    vLLM's teardown raises in a thread of its own, in an object's finaliser or in an asyncio task nobody awaits any
-    more is one `teardown_error` line, not a traceback that reads like a crash. Before this, such errors keep
-    Python's own report."""
-
-    def one_line(where: str, error: BaseException | None, detail: str = "") -> None:
-        text = f"{type(error).__name__}: {error}" if error is not None else detail
-        telemetry.log("generate", "teardown_error", pid=os.getpid(), reason=reason, where=where, error=text[:300])
-
-    threading.excepthook = lambda a: one_line(f"thread {a.thread.name if a.thread else '?'}", a.exc_value)
-    sys.unraisablehook = lambda u: one_line(f"finaliser {getattr(u.object, '__qualname__', u.object)!r}", u.exc_value)
+    vLLM's teardown raises in a thread of its own, in an object's finaliser or (with `loop`) in a task of that loop
+    nobody awaits any more is one `teardown_error` line, not a traceback that reads like a crash. Before this, such
+    errors keep Python's own report."""
+    threading.excepthook = lambda a: _teardown_line(reason, f"thread {a.thread.name if a.thread else '?'}", a.exc_value)
+    sys.unraisablehook = lambda u: _teardown_line(
+        reason, f"finaliser {getattr(u.object, '__qualname__', u.object)!r}", u.exc_value
+    )
+    if loop is not None:  # one attribute the loop reads when a task's error goes unretrieved: set from any thread
+        loop.set_exception_handler(
+            lambda _, c: _teardown_line(reason, "asyncio", c.get("exception"), str(c.get("message")))
+        )
 
 
 class RequestLoop:
@@ -98,8 +104,7 @@ class RequestLoop:
         if self.retiring.is_set():
             return
         self.retiring.set()
-        quiet_teardown_errors("retired")
-        self.loop.call_soon_threadsafe(self._quiet_loop, "retired")
+        quiet_teardown_errors("retired", self.loop)
 
         async def stop() -> None:
             handler = getattr(self.engine, "output_handler", None)
@@ -111,16 +116,6 @@ class RequestLoop:
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout_s)
         except Exception as e:  # the process is exiting either way: say so in one line, not a traceback
             telemetry.log("generate", "engine_shutdown_failed", pid=os.getpid(), error=f"{type(e).__name__}: {e}")
-
-    def _quiet_loop(self, reason: str) -> None:
-        """asyncio's report of a task exception nobody retrieved, as one line (on the loop's thread)."""
-
-        def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-            error = context.get("exception")
-            text = f"{type(error).__name__}: {error}" if error is not None else str(context.get("message"))
-            telemetry.log("generate", "teardown_error", pid=os.getpid(), reason=reason, where="asyncio", error=text)
-
-        self.loop.set_exception_handler(handler)
 
     def submit(self, requests: list[tuple[str, dict, Any, Handler]]) -> None:
         """requests: (request_id, prompt {"prompt_token_ids": [...]}, SamplingParams, handler)."""
@@ -153,8 +148,7 @@ class RequestLoop:
         units, which have not committed (a unit commits only after all its requests finished)."""
         error = f"{type(e).__name__}: {e}"
         telemetry.log("generate", "engine_dead", pid=os.getpid(), error=error)
-        quiet_teardown_errors("engine_dead")
-        self._quiet_loop("engine_dead")
+        quiet_teardown_errors("engine_dead", self.loop)
         self.on_death(error)
         os._exit(1)
 

@@ -129,13 +129,9 @@ def replica_bundles(cfg: Config) -> tuple[list[dict[str, float]], str, str]:
 
 def ensure_replica_fits(cfg: Config) -> float:
     """Wait (run.resource_wait_s) until the cluster can hold one engine replica; one error line when it cannot."""
-    from eagle3_ray.core.raycluster import joins_cluster
     from eagle3_ray.core.resources import ensure_schedulable
 
-    bundles, strategy, fields = replica_bundles(cfg)
-    return ensure_schedulable(
-        "generate", bundles, strategy, fields, wait_s=cfg.run.resource_wait_s, local=not joins_cluster(cfg.run)
-    )
+    return ensure_schedulable("generate", *replica_bundles(cfg), cfg.run)
 
 
 def _replica_group(cfg: Config, created: list) -> dict[str, Any]:

@@ -182,14 +182,12 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
 def ensure_workers_fit(cfg: Config) -> float:
     """Wait (run.resource_wait_s) until the cluster can hold the whole worker group (Ray Train's PACK placement);
     one error line when it cannot."""
-    from eagle3_ray.core.raycluster import joins_cluster
     from eagle3_ray.core.resources import ensure_schedulable
 
     tc = cfg.train
     bundles = [{"CPU": tc.cpus_per_worker, "GPU": 1 if tc.use_gpu else 0}] * tc.num_workers
-    fields = "train.num_workers, train.cpus_per_worker, train.use_gpu"
     return ensure_schedulable(
-        "train", bundles, "PACK", fields, wait_s=cfg.run.resource_wait_s, local=not joins_cluster(cfg.run)
+        "train", bundles, "PACK", "train.num_workers, train.cpus_per_worker, train.use_gpu", cfg.run
     )
 
 
