@@ -294,6 +294,16 @@ def _out_dir_while_running(cfg) -> str:
     return stage.output_dir(cfg, "generate")
 
 
+def _resource_tracker_double_unlink(block: list[str]) -> bool:
+    """CPython's multiprocessing resource tracker (a process of its own beside the engine actor) reporting a shared
+    memory segment or semaphore it does not know (KeyError '/psm_...' or '/mp-...' in its `main`): after the kill
+    its tracker died and was relaunched ("resource_tracker: process died unexpectedly, relaunching"), so the names
+    registered before are unknown to the new one when the actor unlinks them. The standard library's report, not
+    the stage's."""
+    text = "\n".join(block)
+    return "multiprocessing/resource_tracker.py" in text and re.search(r"KeyError: '/[\w.-]+'", text) is not None
+
+
 def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_path, tiny_llama):
     cfg = generate_cfg(
         tmp_path, tiny_llama, hidden_states_dtype="fp8", oversize="alone", max_batch_tokens=160, units_in_flight=1
@@ -311,7 +321,11 @@ def test_killing_an_engine_process_still_yields_every_sample_exactly_once(tmp_pa
     # neither the engine's death (one engine_dead line of the actor) nor the finished stage's retirement of its
     # actors logs an ERROR or a traceback
     lines = log.read_text().splitlines()
-    noisy = [i for i, line in enumerate(lines) if re.search(r"\bERROR\b|Traceback", line)]
+    noisy = [
+        i
+        for i, line in enumerate(lines)
+        if re.search(r"\bERROR\b|Traceback", line) and not _resource_tracker_double_unlink(lines[i : i + 6])
+    ]
     assert not noisy, "\n".join(line for i in noisy[:3] for line in lines[i : i + 30])
     summary = storage.read_json(str(Path(out, "summary.json")))
     assert summary["rows_ok"] == table.num_rows  # the over-long sample ran alone
