@@ -70,7 +70,7 @@ wait)
     for log in "$bg"/recipe_*.log "$bg"/adapt.log; do
         [ -f "$log" ] || continue
         echo "== $log"
-        grep -a "\[eagle3\|Error\|start 20\|end 20\|^| \|reaches" "$log" | grep -av "progress\|heartbeat\| train step=" \
+        grep -a "\[eagle3\|Error\|evaluated \|start 20\|end 20\|^| \|reaches" "$log" | grep -av "progress\|heartbeat\| train step=" \
             | tail -25
     done
     ;;

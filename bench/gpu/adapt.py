@@ -197,7 +197,9 @@ class Bench:
         storage.write_json_atomic(path, merged)
         return merged
 
-    def evaluate_phase(self) -> dict[str, Any]:
+    def evaluate_phase(self, out: str) -> dict[str, Any]:
+        """Every drafter's evaluation in order; `out` is rewritten after each one, so the drafters measured before a
+        job is cut short still come back."""
         train_times = storage.read_json(f"{self.storage_path}/{self.run_name}/train_phase.json")
         drafters = {"base": self.base_cfg()} | {label: self.variant_cfg(k, lr) for label, k, lr in self.variants}
         results: dict[str, Any] = {"prompts": self.prompts, "scale": dataclasses.asdict(self.scale), "drafters": {}}
@@ -209,7 +211,10 @@ class Bench:
                 "init_from": cfg.train.init_from,
                 "lr": cfg.train.lr,
             }
-        results["cost"] = cold_start_cost(results["drafters"])
+            results["cost"] = cold_start_cost(results["drafters"])
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"evaluated {label}: {json.dumps(results['drafters'][label]['evaluate'])}", flush=True)
         return results
 
 
@@ -322,9 +327,7 @@ def main() -> None:
     if args.phase in ("train", "all"):
         print(json.dumps(bench.train_phase(), indent=1), flush=True)
     if args.phase in ("evaluate", "all"):
-        results = bench.evaluate_phase()
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        results = bench.evaluate_phase(args.out)
         print(markdown(results), flush=True)
         print(f"results: {args.out}", flush=True)
 
