@@ -26,6 +26,7 @@ from typing import Any
 from eagle3_ray.core import contract, storage, verifiers, vllm_support
 from eagle3_ray.core.config import Config, config_from_dict
 from eagle3_ray.evaluate import identity
+from eagle3_ray.evaluate.acceptance import add_per_position
 from eagle3_ray.generate.engine import drafter_attention_env, with_cpu_rotary_fix
 
 SPEC_COUNTERS = {
@@ -86,7 +87,9 @@ class EngineBench:
     ) -> dict[str, Any]:
         """Timed greedy decoding in waves of `concurrency` inside each group (stage.prompt_groups; None: one group
         of every prompt). Returns the outputs (token ids per prompt), wall time and spec-decode counter increments,
-        in total and per group (`groups`: turn, category, wall_s, output_tokens, spec)."""
+        in total and per group (`groups`: turn, category, wall_s, output_tokens, spec), and `per_request`: at
+        concurrency 1, where a wave is one request, each request's own increments with its prompt and output tokens
+        (None per prompt at any other concurrency)."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -94,10 +97,22 @@ class EngineBench:
             [{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
         )  # warm-up: first-call allocations are not throughput
         outputs: list[list[int]] = [[] for _ in prompts]
+        per_request: list[dict[str, Any] | None] = [None for _ in prompts]
         measured = []
         first = before = self._spec_counters()
         for g in groups or [{"turn": 1, "category": None, "indices": list(range(len(prompts)))}]:
-            wall_s = sum(self._decode(prompts, w, params, outputs)[1] for w in waves(g["indices"], concurrency))
+            wall_s, wave_start = 0.0, before
+            for wave in waves(g["indices"], concurrency):
+                wall_s += self._decode(prompts, wave, params, outputs)[1]
+                if concurrency == 1:  # read after the timed wave; vLLM records a step's counters with its outputs
+                    wave_end = self._spec_counters()
+                    [i] = wave
+                    per_request[i] = {
+                        "prompt_tokens": len(prompts[i]),
+                        "output_tokens": len(outputs[i]),
+                        **counter_increments(wave_start, wave_end),
+                    }
+                    wave_start = wave_end
             after = self._spec_counters()  # read between groups, outside the timed waves
             measured.append(
                 {
@@ -110,7 +125,13 @@ class EngineBench:
             )
             before = after
         wall_s = sum(g["wall_s"] for g in measured)
-        return {"outputs": outputs, "wall_s": wall_s, "spec": counter_increments(first, before), "groups": measured}
+        return {
+            "outputs": outputs,
+            "wall_s": wall_s,
+            "spec": counter_increments(first, before),
+            "groups": measured,
+            "per_request": per_request,
+        }
 
     def reference(
         self, prompts: list[list[int]], concurrency: int, max_tokens: int, groups: list[dict[str, Any]] | None = None
@@ -135,12 +156,6 @@ class EngineBench:
         self.llm.llm_engine.engine_core.shutdown()
         if self.local_drafter:
             shutil.rmtree(self.local_drafter, ignore_errors=True)
-
-
-def add_per_position(a: list[float], b: list[float]) -> list[float]:
-    """Element-wise sum of two per-position counts of any lengths (the shorter padded with zeros)."""
-    width = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)), strict=True)]
 
 
 def counter_increments(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

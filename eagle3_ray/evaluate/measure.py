@@ -14,7 +14,8 @@ from eagle3_ray.core import contract, storage
 from eagle3_ray.core.config import Config
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.evaluate import identity, report
-from eagle3_ray.evaluate.engine import SPEC_COUNTERS, add_per_position, engine_actor, engine_args
+from eagle3_ray.evaluate.acceptance import add_per_position
+from eagle3_ray.evaluate.engine import SPEC_COUNTERS, engine_actor, engine_args
 from eagle3_ray.evaluate.prediction import predicted_vs_measured, training_metrics
 from eagle3_ray.evaluate.prompts import level_groups, load_tokenizer, second_turn_prompts
 from eagle3_ray.evaluate.recheck import fp32_recheck
@@ -94,6 +95,7 @@ def concat_runs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "wall_s": a["wall_s"] + b["wall_s"],
         "spec": spec,
         "groups": a["groups"] + b["groups"],
+        "per_request": a["per_request"] + b["per_request"],
     }
     if "reference" in a:
         out["reference"] = {key: a["reference"][key] + b["reference"][key] for key in ("outputs", "margins")}
@@ -135,7 +137,10 @@ def measure_all(
     base, all_prompts = plain_runs(cfg, verifier_dir, prompts, token_prompts)
     turns = (1, 2) if cfg.evaluate.turns == "both" else (1,)
     n = len(prompts)  # all_prompts: turn 1 of every prompt, then (turns=both) turn 2 of every prompt
-    labels = [{"prompt": prompts[i % n]["id"], "turn": 1 + i // n} for i in range(len(all_prompts))]
+    labels = [
+        {"prompt": prompts[i % n]["id"], "turn": 1 + i // n, "category": prompts[i % n]["category"]}
+        for i in range(len(all_prompts))
+    ]
     rows = [report.baseline_row(c, run) for c, run in base.items()]
     tie = identity.TIE_MARGIN_NATS[cfg.verifier.dtype]
     infos, contract_runs, measured = {}, {}, []

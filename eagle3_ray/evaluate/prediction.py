@@ -11,6 +11,7 @@ from typing import Any
 
 from eagle3_ray.core import storage
 from eagle3_ray.evaluate import report
+from eagle3_ray.evaluate.acceptance import acceptance, per_position
 
 # Largest |measured - predicted| mean acceptance length not flagged. The replay meets vLLM within a few hundredths on
 # a run's own validation prompts (docs/benchmarks.md#smollm2-drafter: validation against estimate); a contract fault
@@ -64,10 +65,10 @@ def predicted_vs_measured(
         }
         own = (contract_runs or {}).get(k)
         if own is not None:
-            own_len = report.acceptance(own)["mean_acceptance_length"]
+            own_len = acceptance(own)["mean_acceptance_length"]
             item["validation"] = {
                 "measured_acceptance_length": own_len,
-                "measured_per_position": report.per_position(own),
+                "measured_per_position": per_position(own),
                 "gap": None if predicted is None else own_len - predicted,
             }
         if predicted is None:

@@ -2,12 +2,17 @@
 
 A row is one (num_speculative_tokens, concurrency) measurement; `num_speculative_tokens` 0 is plain decoding.
     acceptance_rate         = accepted draft tokens / proposed draft tokens
-    mean_acceptance_length  = 1 + accepted / drafts   (tokens emitted per verifier step; 1.0 = no gain)
+    mean_acceptance_length  = 1 + accepted / drafts, pooled over every verify step of every request (vLLM's way;
+                              tokens emitted per verifier step; 1.0 = no gain)
+    mean_acceptance_length_per_request = the mean of each request's own 1 + accepted / drafts (SpecForge's way);
+                              concurrency 1 only, where each request is measured on its own, else None
     acceptance_per_position = accepted at position i / drafts   (the chance the i-th draft token survives)
     speedup                 = output tokens/s with the drafter / without it, same prompts and concurrency
     identity                = prompts per greedy-identity class against plain decoding at the same concurrency
                               (identity.py: identical, batch_numerics, numerics_tie, numerics_fp32, drafter)
     by_category, by_turn    = the same rates per prompt category / conversation turn, when there are several
+    requests, by_context_length = (concurrency 1) each request's own numbers, and acceptance per bucket of prompt +
+                              generated tokens (acceptance.CONTEXT_BUCKETS)
 Predicted acceptance (`predicted_vs_measured`) is training's replay of vLLM's draft/verify chain over the validation
 split (train/acceptance.py), shown next to the measured one on the evaluation prompts and on prompts of that validation
 split (`validation`); a gap past prediction.PREDICTION_TOLERANCE on the validation prompts is flagged as a contract
@@ -22,8 +27,15 @@ from typing import Any
 
 from eagle3_ray.core import storage
 from eagle3_ray.evaluate import identity
-
-SPEC_TOTALS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+from eagle3_ray.evaluate.acceptance import (
+    SPEC_TOTALS,
+    acceptance,
+    add_per_position,
+    by_context_length,
+    per_position,
+    per_request_mean,
+    request_records,
+)
 
 
 def _tokens_per_s(run: dict[str, Any]) -> float:
@@ -64,8 +76,9 @@ def spec_row(
 ) -> dict[str, Any]:
     """`base`: plain decoding at the same concurrency; `base_lowest`: plain decoding at the lowest concurrency, whose
     difference from `base` shows how much batching alone moves greedy outputs. `identity_items`: identity.compare's
-    class per output; `labels`: `{"prompt", "turn"}` per output."""
+    class per output; `labels`: `{"prompt", "turn", "category"}` per output."""
     s = run["spec"]
+    requests = request_records(run["per_request"], labels)
     mismatches = [
         {**label, **item} for label, item in zip(labels, identity_items, strict=True) if item["class"] != "identical"
     ]
@@ -79,42 +92,36 @@ def spec_row(
         "num_draft_tokens": s["num_draft_tokens"],
         "num_accepted_tokens": s["num_accepted_tokens"],
         **acceptance(s),
+        "mean_acceptance_length_per_request": per_request_mean(requests),
         "acceptance_per_position": per_position(s),
         "num_outputs": len(run["outputs"]),
         "num_mismatched_outputs": len(mismatches),
         "identity": identity.counts(identity_items),
         "mismatches": mismatches,
         "num_baseline_batch_mismatches": sum(a != b for a, b in zip(lowest, same_c, strict=True)),
-        "by_category": breakdown(run, base, "category"),
-        "by_turn": breakdown(run, base, "turn"),
+        "by_category": breakdown(run, base, "category", requests),
+        "by_turn": breakdown(run, base, "turn", requests),
+        "requests": requests,
+        "by_context_length": by_context_length(requests),
     }
 
 
-def acceptance(spec: dict[str, Any]) -> dict[str, float]:
-    """Acceptance rate and mean acceptance length from vLLM's spec-decode counter increments."""
-    return {
-        "acceptance_rate": spec["num_accepted_tokens"] / max(spec["num_draft_tokens"], 1),
-        "mean_acceptance_length": 1.0 + spec["num_accepted_tokens"] / max(spec["num_drafts"], 1),
-    }
-
-
-def per_position(spec: dict[str, Any]) -> list[float]:
-    """The chance that the draft token at each position is accepted, from the same counter increments."""
-    return [a / max(spec["num_drafts"], 1) for a in spec["accepted_per_pos"]]
-
-
-def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, dict[str, float]] | None:
-    """Speedup and acceptance per value of `key` ("category" or "turn") from the run's groups (each group is timed
-    and its spec-decode counters diffed on its own); None when there is only one value."""
+def breakdown(
+    run: dict[str, Any], base: dict[str, Any], key: str, requests: list[dict[str, Any]] | None = None
+) -> dict[str, dict[str, Any]] | None:
+    """Speedup, acceptance and per-position acceptance per value of `key` ("category" or "turn") from the run's
+    groups (each group is timed and its spec-decode counters diffed on its own), with the per-request mean from
+    `requests` (acceptance.request_records; None where there are none); None when there is only one value."""
     if len({g[key] for g in run["groups"]}) < 2:
         return None
     names = ("wall_s", "output_tokens", "base_wall_s", "base_output_tokens", *SPEC_TOTALS)
-    sums: dict[str, dict[str, float]] = {}
+    sums: dict[str, dict[str, Any]] = {}
     for g, b in zip(run["groups"], base["groups"], strict=True):
         assert (g["turn"], g["category"]) == (b["turn"], b["category"]), "both engines decode the same groups"
-        total = sums.setdefault(str(g[key]), dict.fromkeys(names, 0))
+        total = sums.setdefault(str(g[key]), {**dict.fromkeys(names, 0), "accepted_per_pos": []})
         for name in SPEC_TOTALS:
             total[name] += g["spec"][name]
+        total["accepted_per_pos"] = add_per_position(total["accepted_per_pos"], g["spec"]["accepted_per_pos"])
         total["wall_s"] += g["wall_s"]
         total["output_tokens"] += g["output_tokens"]
         total["base_wall_s"] += b["wall_s"]
@@ -128,6 +135,8 @@ def breakdown(run: dict[str, Any], base: dict[str, Any], key: str) -> dict[str, 
             "baseline_tokens_per_s": base_tokens_per_s,
             "speedup": tokens_per_s / max(base_tokens_per_s, 1e-9),
             **acceptance(t),
+            "mean_acceptance_length_per_request": per_request_mean([r for r in requests or [] if str(r[key]) == name]),
+            "acceptance_per_position": per_position(t),
         }
     return out
 
@@ -150,16 +159,20 @@ def summary_table(results: dict[str, Any]) -> str:
     the predictions, then `verdict_lines`: the same result in words, the gate's verdict and its misses last."""
     head = (
         f"{'k':>3} {'conc':>5} {'base tok/s':>11} {'spec tok/s':>11} {'speedup':>8} {'accept':>7} "
-        f"{'mean len':>9} {'same/batch/tie/fp32/drafter':>28}  per-position acceptance"
+        f"{'mean len':>9} {'req mean':>9} {'same/batch/tie/fp32/drafter':>28}  per-position acceptance"
     )
     lines = [head, "-" * len(head)]
     for r in (r for r in results["rows"] if r["num_speculative_tokens"]):
         lines.append(
             f"{r['num_speculative_tokens']:>3} {r['concurrency']:>5} {r['baseline_tokens_per_s']:>11.1f} "
             f"{r['tokens_per_s']:>11.1f} {r['speedup']:>7.2f}x {r['acceptance_rate']:>7.3f} "
-            f"{r['mean_acceptance_length']:>9.3f} {_classes(r):>28}  "
-            + " ".join(f"{a:.3f}" for a in r["acceptance_per_position"])
+            f"{r['mean_acceptance_length']:>9.3f} {_fmt(r.get('mean_acceptance_length_per_request')):>9} "
+            f"{_classes(r):>28}  " + " ".join(f"{a:.3f}" for a in r["acceptance_per_position"])
         )
+    lines.append(
+        "mean len: pooled over every verify step (vLLM's way); req mean: the mean of per-request means (SpecForge's "
+        "way), at concurrency 1 only"
+    )
     g = results["gate"]
     lines.append(recommended_line(g))
     lines += drift_lines(results["rows"])
@@ -174,9 +187,15 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     for k in sorted({rec["num_speculative_tokens"] for rec in g["recommended"]}):
         mean_length, per_pos = measured_acceptance(rows, k)
+        per_request = [
+            r["mean_acceptance_length_per_request"]
+            for r in rows
+            if r["num_speculative_tokens"] == k and r.get("mean_acceptance_length_per_request") is not None
+        ]  # .get: results measured before per-request acceptance existed
         lines.append(
             f"acceptance at k={k}: {mean_length:.2f} tokens per verifier step (1.00 = no draft token kept, "
             f"{k + 1:.2f} = all {k}); kept per draft position: {', '.join(f'{a:.1%}' for a in per_pos)}"
+            + (f"; mean of per-request means at c=1: {per_request[0]:.2f}" if per_request else "")
         )
     by_key = {(r["num_speculative_tokens"], r["concurrency"]): r for r in rows}
     for rec in g["recommended"]:
@@ -326,17 +345,17 @@ def markdown(results: dict[str, Any]) -> str:
     rows = [r for r in results["rows"] if r["num_speculative_tokens"]]
     table = [
         "| k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
-        "| mean acceptance length "
+        "| mean acceptance length, pooled | mean acceptance length, per-request mean "
         "| per-position acceptance "
         "| greedy outputs identical / batch numerics / numerics tie / numerics fp32 / drafter |",
-        "|" + "---|" * 9,
+        "|" + "---|" * 10,
     ]
     table += [
         f"| {r['num_speculative_tokens']} | {r['concurrency']} | {r['baseline_tokens_per_s']:.1f} | "
         f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['acceptance_rate']:.3f} | "
-        f"{r['mean_acceptance_length']:.3f} | {', '.join(f'{a:.3f}' for a in r['acceptance_per_position'])} | "
-        f"{_classes(r).replace('/', ' / ')} |"
-        for r in rows
+        f"{r['mean_acceptance_length']:.3f} | {_fmt(r.get('mean_acceptance_length_per_request'))} | "
+        f"{', '.join(f'{a:.3f}' for a in r['acceptance_per_position'])} | {_classes(r).replace('/', ' / ')} |"
+        for r in rows  # .get: results measured before per-request acceptance existed
     ]
     recommended = ["| concurrency | fastest k | speedup | mean acceptance length |", "|---|---|---|---|"] + [
         f"| {r['concurrency']} | {r['num_speculative_tokens']} | {r['speedup']:.2f}x | "
@@ -355,6 +374,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"training conversations), chat template applied, greedy, max_tokens={results['max_tokens']}, "
             f"turns={results['turns']}",
             f"- aux layers: captured {results['capture_aux_layer_ids']}, used by vLLM {results['vllm_aux_layer_ids']}",
+            *_training_context_lines(results.get("training_context")),
             "",
             f"**Deploy gate: {'PASS' if g['passed'] else 'FAIL'}** at the fastest k of each concurrency "
             f"(thresholds {g['thresholds']}). One k for every load (best lowest speedup): "
@@ -366,11 +386,14 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             *table,
             "",
+            POOLED_VS_PER_REQUEST,
+            "",
             *(f"{line}." for line in drift_lines(results["rows"])),
             "",
             *_identity_section(results, rows),
             *_breakdown_table(rows, "by_category", "category"),
             *_breakdown_table(rows, "by_turn", "turn"),
+            *_context_length_table(rows),
             *_prediction_table(results),
             "![acceptance per position](acceptance_per_position.png)",
             "",
@@ -380,7 +403,56 @@ def markdown(results: dict[str, Any]) -> str:
     )
 
 
+POOLED_VS_PER_REQUEST = (
+    "Mean acceptance length two ways: *pooled* = 1 + accepted draft tokens / verify steps over every request "
+    "together (how vLLM reports it, from its spec-decode counters; long requests weigh more); *per-request mean* = "
+    "the mean over requests of each request's own 1 + accepted / verify steps (how SpecForge reports it; each "
+    "request weighs the same), measured at concurrency 1 only, where each request decodes on its own."
+)
+
 MAX_LISTED_MISMATCHES = 20
+
+
+def _training_context_lines(context: dict[str, Any] | None) -> list[str]:
+    """The report's line on serving contexts longer than any training sequence (stage.training_context)."""
+    if context is None:  # results gated before the check existed
+        return []
+    if context["warning"]:
+        return [f"- **context warning**: {context['warning']}"]
+    longest = context["longest_training_sequence"]
+    return [
+        f"- context: verifier.max_model_len={context['max_model_len']} is within the longest training sequence "
+        f"({longest['num_tokens']} tokens, {longest['source']})"
+    ]
+
+
+def _context_length_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Acceptance per bucket of prompt + generated tokens, from the requests measured one at a time."""
+    measured = [r for r in rows if r.get("by_context_length")]  # .get: results from before the buckets existed
+    if not measured:
+        return [
+            "No acceptance by context length: it comes from requests measured one at a time, which needs "
+            "concurrency 1 in evaluate.concurrency.",
+            "",
+        ]
+    table = [
+        "| context tokens (prompt + generated) | k | requests | acceptance rate | mean acceptance length, pooled "
+        "| mean acceptance length, per-request mean |",
+        "|" + "---|" * 6,
+    ]
+    table += [
+        f"| {name} | {r['num_speculative_tokens']} | {b['num_requests']} | {b['acceptance_rate']:.3f} | "
+        f"{b['mean_acceptance_length']:.3f} | {_fmt(b['mean_acceptance_length_per_request'])} |"
+        for r in measured
+        for name, b in r["by_context_length"].items()
+    ]
+    return [
+        "Acceptance by context length, at concurrency 1 (buckets hold their lower bound, not their upper; each "
+        "request's own numbers are under `requests` in results.json):",
+        "",
+        *table,
+        "",
+    ]
 
 
 def _identity_section(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
@@ -442,15 +514,16 @@ def _breakdown_table(rows: list[dict[str, Any]], field: str, label: str) -> list
         return []
     table = [
         f"| {label} | k | concurrency | tokens/s without | tokens/s with | speedup | acceptance rate "
-        "| mean acceptance length |",
-        "|" + "---|" * 8,
+        "| mean acceptance length, pooled | mean acceptance length, per-request mean | per-position acceptance |",
+        "|" + "---|" * 10,
     ]
     for name in sorted({name for r in rows for name in r[field] or {}}):
         table += [
             f"| {name} | {r['num_speculative_tokens']} | {r['concurrency']} | {m['baseline_tokens_per_s']:.1f} | "
             f"{m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['acceptance_rate']:.3f} | "
-            f"{m['mean_acceptance_length']:.3f} |"
-            for r in rows
+            f"{m['mean_acceptance_length']:.3f} | {_fmt(m.get('mean_acceptance_length_per_request'))} | "
+            f"{', '.join(f'{a:.3f}' for a in m.get('acceptance_per_position', []))} |"
+            for r in rows  # .get: results measured before these columns existed
             if (m := (r[field] or {}).get(name))
         ]
     gaps = sorted({r["concurrency"] for r in rows if not r[field]})

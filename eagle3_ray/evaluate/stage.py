@@ -34,6 +34,7 @@ from eagle3_ray.core import contract, serving, stage, storage, verifiers
 from eagle3_ray.core.config import Config, versioned
 from eagle3_ray.core.telemetry import log
 from eagle3_ray.evaluate import gate, report
+from eagle3_ray.evaluate.acceptance import context_warning
 from eagle3_ray.evaluate.measure import measure_all
 from eagle3_ray.evaluate.prompts import (
     chat_ids,
@@ -73,6 +74,9 @@ def run(cfg: Config) -> dict[str, Any]:
     conversations = training_conversations(training_data_dir)
     held_out = check_held_out(prompts, training_data_dir, conversations)
     own = validation_prompts(cfg, training_data_dir, conversations)
+    context = training_context(cfg, training_data_dir)
+    if context["warning"]:
+        log(STAGE, f"warning: {context['warning']}")
     summary = stage.run(
         cfg,
         STAGE,
@@ -86,9 +90,37 @@ def run(cfg: Config) -> dict[str, Any]:
         "report_dir": summary["path"],  # the job's last lines name its report.md
     }
     results["gate"] = gate.gate(results["rows"], cfg.evaluate)
+    results["training_context"] = context
     results["serve"] = write_serving(cfg, summary["path"], results)  # the job's last lines name it
     report.write(summary["path"], results)
     return _verdict(cfg, results)
+
+
+def training_context(cfg: Config, training_data_dir: str) -> dict[str, Any]:
+    """`{"max_model_len", "longest_training_sequence": {"num_tokens", "source"}, "warning"}`: the context length the
+    verifier serves against the longest sequence the drafter trained on, with acceptance.context_warning's line
+    (None when serving stays within it). Checked on every run, like the gate: not part of the measurement."""
+    longest = longest_training_sequence(cfg, training_data_dir)
+    return {
+        "max_model_len": cfg.verifier.max_model_len,
+        "longest_training_sequence": longest,
+        "warning": context_warning(cfg.verifier.max_model_len, longest),
+    }
+
+
+def longest_training_sequence(cfg: Config, training_data_dir: str) -> dict[str, Any]:
+    """The longest sequence the drafter trained on, `{"num_tokens", "source"}`: the longest sample of the generate
+    stage (manifest.parquet's `num_tokens`), or `train.total_seq_len` where that is shorter (packing cuts a sample
+    there) or where no sample lengths are stored (online training captures as it trains)."""
+    total = cfg.train.total_seq_len
+    manifest = storage.join(training_data_dir, "manifest.parquet")
+    if not storage.exists(manifest):
+        return {"num_tokens": total, "source": "train.total_seq_len; online training stores no sample lengths"}
+    longest = max(storage.read_parquet(manifest, columns=["num_tokens"]).column("num_tokens").to_pylist(), default=0)
+    if longest > total:
+        cut = f"train.total_seq_len, where packing cuts the longest sample of {manifest} ({longest} tokens)"
+        return {"num_tokens": total, "source": cut}
+    return {"num_tokens": longest, "source": f"the longest sample in {manifest}"}
 
 
 def write_serving(cfg: Config, out_dir: str, results: dict[str, Any]) -> str:

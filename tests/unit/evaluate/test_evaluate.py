@@ -153,6 +153,7 @@ def results_for_report() -> dict:
             "speedup": speedup,
             "acceptance_rate": 0.4,
             "mean_acceptance_length": 1.0 + 0.4 * k,
+            "mean_acceptance_length_per_request": 1.0 + 0.35 * k if c == 1 else None,
             "acceptance_per_position": [0.5, 0.3, 0.1][:k],
             "num_drafts": 10,
             "num_accepted_tokens": 4 * k,
@@ -193,13 +194,17 @@ def test_report_and_summary_name_the_fastest_k_per_concurrency_and_the_identity_
     md = report.markdown(results)
     assert "| concurrency | fastest k | speedup | mean acceptance length |" in md
     assert "| 1 | 3 | 1.60x | 2.200 |" in md and "| 4 | 1 | 1.10x | 1.400 |" in md
-    assert "| 3 | 1 | 100.0 | 160.0 | 1.60x | 0.400 | 2.200 | 0.500, 0.300, 0.100 | 7 / 0 / 1 / 0 / 0 |" in md
+    assert "| 3 | 1 | 100.0 | 160.0 | 1.60x | 0.400 | 2.200 | 2.050 | 0.500, 0.300, 0.100 | 7 / 0 / 1 / 0 / 0 |" in md
+    assert "| 3 | 4 | 100.0 | 90.0 | 0.90x | 0.400 | 2.200 | n/a | 0.500, 0.300, 0.100 | 6 / 2 / 0 / 0 / 0 |" in md
+    assert "| mean acceptance length, pooled | mean acceptance length, per-request mean |" in md
+    assert "*pooled* = 1 + accepted draft tokens / verify steps over every request" in md
     assert "| 3 | 1 | `p3` | 1 | numerics_tie | 17 | - | 0.012 |" in md
     assert (
         "plain decoding at concurrency 1 vs 4 differs on 2 of 8 outputs (top-2 margins at the flip: 0.030, 0.200)" in md
     )
     table = report.summary_table(results)
     assert "fastest k: c=1 k=3 (1.60x), c=4 k=1 (1.10x); one k for every load: 1" in table
+    assert "    2.200     2.050" in table and "    2.200       n/a" in table  # pooled, then per-request mean
     assert "7/0/1/0/0" in table and table.splitlines()[-1].startswith("deploy gate: PASS (speedup >= 1.0 at every")
 
 

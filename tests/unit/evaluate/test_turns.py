@@ -130,23 +130,27 @@ def test_turn_two_measurements_join_turn_one_and_report_speedup_and_acceptance_p
     zero = spec(0, 0, [])
     base1 = {"outputs": [[1] * 10, [1] * 10], "wall_s": 4.0, "spec": zero,
              "groups": [group(1, "writing", 2.0, 10, zero), group(1, "coding", 2.0, 10, zero)],
-             "reference": {"outputs": [[1] * 10, [1] * 10], "margins": [[1.0] * 10, [1.0] * 10]}}  # fmt: skip
+             "reference": {"outputs": [[1] * 10, [1] * 10], "margins": [[1.0] * 10, [1.0] * 10]},
+             "per_request": [None, None]}  # fmt: skip
     base2 = {**base1, "groups": [group(2, "writing", 2.0, 10, zero), group(2, "coding", 2.0, 10, zero)]}
     base = concat_runs(base1, base2)
     assert len(base["outputs"]) == 4 and base["wall_s"] == 8.0 and len(base["reference"]["margins"]) == 4
+    assert base["per_request"] == [None] * 4
     groups = [
         group(1, "writing", 1.0, 10, spec(5, 5, [4, 1])),
         group(1, "coding", 2.0, 10, spec(5, 0, [0, 0])),
         group(2, "writing", 1.0, 10, spec(4, 6, [3, 2, 1])),
         group(2, "coding", 4.0, 10, spec(10, 0, [])),
     ]
-    run = {"outputs": [[1] * 10] * 4, "wall_s": 8.0, "spec": spec(24, 11, [7, 3, 1]), "groups": groups}
+    run = {"outputs": [[1] * 10] * 4, "wall_s": 8.0, "spec": spec(24, 11, [7, 3, 1]), "groups": groups,
+           "per_request": [None] * 4}  # fmt: skip
     items = [{"class": "identical", "first_diff_token": None, "plain_shift_token": None, "margin": None}] * 4
-    labels = [{"prompt": p, "turn": t} for t in (1, 2) for p in ("w1", "c1")]
+    labels = [{"prompt": p, "turn": t, "category": c} for t in (1, 2) for p, c in (("w1", "writing"), ("c1", "coding"))]
     row = report.spec_row(3, 1, run, base, base, items, labels)
     assert row["speedup"] == pytest.approx(1.0) and row["identity"]["identical"] == 4
     assert row["acceptance_per_position"] == pytest.approx([7 / 24, 3 / 24, 1 / 24])
     writing, coding = row["by_category"]["writing"], row["by_category"]["coding"]
     assert writing["speedup"] == pytest.approx(2.0) and writing["mean_acceptance_length"] == pytest.approx(1 + 11 / 9)
+    assert writing["acceptance_per_position"] == pytest.approx([7 / 9, 3 / 9, 1 / 9])
     assert coding["speedup"] == pytest.approx(4 / 6) and coding["acceptance_rate"] == 0.0
     assert set(row["by_turn"]) == {"1", "2"} and row["by_turn"]["1"]["speedup"] == pytest.approx(4 / 3)
