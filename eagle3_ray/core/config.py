@@ -464,7 +464,7 @@ class ExportConfig:
 @dataclass(kw_only=True, slots=True)
 class EvaluateConfig:
     num_prompts: int = 16
-    """Held-out prompts (never trained on) to decode."""
+    """Held-out prompts (never trained on) to decode: the first this many of each source in `prompts`."""
     max_tokens: int = 128
     """Response tokens per prompt."""
     num_speculative_tokens: list[int] = field(default_factory=lambda: [1, 2, 3])
@@ -505,10 +505,13 @@ class EvaluateConfig:
     """One line the job ends with, after the gate's verdict, `for comparison: <this>`: what a longer recipe for the
     same verifier reaches, so that a short recipe's result reads against it, or why this verifier cannot gain (the
     tiny test bed). None: no such line."""
-    prompts: str | None = None
+    prompts: str | list[str] | None = None
     """Held-out prompts: a JSONL or Parquet file (local or URI) with `messages` (or a `prompt` string) and optionally
-    `id`. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the training data are
-    refused. Rows with a `category` get speedup and acceptance per category in the report."""
+    `id` and `category`, or a builtin (`builtin:mtbench`, `builtin:humaneval`); or a list of such sources, decoded
+    in one run (`num_prompts` from each), where a row without a `category` gets its source's name (`humaneval`,
+    the file's name without extension), so `[builtin:mtbench, builtin:humaneval]` reports MT-Bench's categories and
+    HumanEval side by side. None: the builtin eval split (`tiny_prompts(split="eval")`). Prompts found in the
+    training data are refused. Rows with a `category` get speedup and acceptance per category in the report."""
     turns: Literal["first", "both"] = "first"
     """`both`: MT-Bench's two turns. Every prompt needs `turns: [first, second]`; the second turn is sent after the
     model's own first answer (plain greedy decoding at the lowest concurrency), the same token ids for every engine,

@@ -1,6 +1,6 @@
-"""The evaluate stage's prompts: the held-out set (`evaluate.prompts` or a builtin), the check that none was trained
-on, the run's own validation prompts, their token ids through the verifier's chat template, MT-Bench's second turns,
-and the groups of prompts each concurrency level decodes together.
+"""The evaluate stage's prompts: the held-out set (`evaluate.prompts`: one source or several), the check that none
+was trained on, the run's own validation prompts, their token ids through the verifier's chat template, MT-Bench's
+second turns, and the groups of prompts each concurrency level decodes together.
 
     prompts = load_prompts(cfg)                                   # [{"id", "messages", "category", "second_turn"}]
     token_prompts = tokenize_prompts(verifier_dir, prompts, trust_remote_code=False)
@@ -25,13 +25,28 @@ STAGE = "evaluate"
 def load_prompts(cfg: Config) -> list[dict[str, Any]]:
     """Held-out conversations `{"id", "messages", "category", "second_turn"}`: `evaluate.prompts` (JSONL or Parquet
     with `messages`, a `prompt` string or MT-Bench's `turns`, optionally `id` and `category`) or the builtin eval
-    split; the first `evaluate.num_prompts`, prompt turns only. `second_turn` is `turns[1]` when
-    `evaluate.turns=both`, else None."""
+    split; the first `evaluate.num_prompts` of each source, prompt turns only. With several sources a row without a
+    `category` gets its source's name (`source_name`), so that the report compares the sources. `second_turn` is
+    `turns[1]` when `evaluate.turns=both`, else None."""
     if cfg.evaluate.prompts is None:
-        rows = tiny_prompts(split="eval", seed=cfg.run.seed)
-        where = "builtin:tiny_prompts(split=eval)"
-    else:
-        rows, where = _read_rows(cfg.evaluate.prompts), cfg.evaluate.prompts
+        return _prompts_of(tiny_prompts(split="eval", seed=cfg.run.seed), "builtin:tiny_prompts(split=eval)", cfg)
+    if isinstance(cfg.evaluate.prompts, str):
+        return _prompts_of(_read_rows(cfg.evaluate.prompts), cfg.evaluate.prompts, cfg)
+    return [
+        {**p, "category": p["category"] or source_name(uri)}
+        for uri in cfg.evaluate.prompts
+        for p in _prompts_of(_read_rows(uri), uri, cfg)
+    ]
+
+
+def source_name(uri: str) -> str:
+    """A prompt source's name: `builtin:humaneval` -> `humaneval`, `s3://b/evals/chat.jsonl` -> `chat`."""
+    name = uri.removeprefix(sources.PREFIX).rstrip("/").rsplit("/", 1)[-1]
+    return name.removesuffix(".jsonl").removesuffix(".parquet")
+
+
+def _prompts_of(rows: list[dict[str, Any]], where: str, cfg: Config) -> list[dict[str, Any]]:
+    """The first `evaluate.num_prompts` rows of one source as prompts."""
     if len(rows) < cfg.evaluate.num_prompts:
         raise ValueError(f"evaluate.num_prompts={cfg.evaluate.num_prompts} but {where} has {len(rows)} prompts")
     prompts = []
@@ -58,9 +73,9 @@ def load_prompts(cfg: Config) -> list[dict[str, Any]]:
 
 
 def _read_rows(uri: str) -> list[dict[str, Any]]:
-    """Rows of `evaluate.prompts`. `builtin:mtbench|humaneval|tiny_prompts|sharegpt` come from the reader the ingest
-    stage uses (ingest/sources.py): `{"id", "messages", "provenance": {package, version, file, row, record_id}}`,
-    MT-Bench's also `"category"` and `"turns"` (every user turn; `messages` holds the first)."""
+    """Rows of one `evaluate.prompts` source. `builtin:mtbench|humaneval|tiny_prompts|sharegpt` come from the reader
+    the ingest stage uses (ingest/sources.py): `{"id", "messages", "provenance": {package, version, file, row,
+    record_id}}`, MT-Bench's also `"category"` and `"turns"` (every user turn; `messages` holds the first)."""
     if uri.startswith(sources.PREFIX):
         read = sources.read_builtin(uri, split="eval")
         if read.rejects:  # none in MT-Bench or HumanEval as shipped; said, never dropped silently

@@ -1,15 +1,17 @@
-"""`evaluate.prompts: builtin:mtbench` and `builtin:humaneval`: held-out prompts read by the same reader as the ingest
-stage (ingest/sources.py), MT-Bench rows with their category and both user turns; a prompt that was trained on is
-refused, and none of MT-Bench's is in ShareGPT."""
+"""`evaluate.prompts: builtin:mtbench` and `builtin:humaneval`, alone or together: held-out prompts read by the same
+reader as the ingest stage (ingest/sources.py), MT-Bench rows with their category and both user turns; a prompt that
+was trained on is refused, and none of MT-Bench's is in ShareGPT."""
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pytest
 
 from eagle3_ray.core import storage
-from eagle3_ray.core.config import UserError, load_config
-from eagle3_ray.evaluate.prompts import check_held_out, load_prompts
+from eagle3_ray.core.config import UserError, config_from_dict, load_config
+from eagle3_ray.evaluate.prompts import check_held_out, load_prompts, prompt_groups
 from eagle3_ray.ingest import sources
 from eagle3_ray.ingest.formats import conversation_id
 
@@ -74,3 +76,26 @@ def test_no_mtbench_question_is_a_user_turn_of_sharegpt(tmp_path):
     trained = _training_data(tmp_path, sources.read_builtin("builtin:sharegpt", turns="all").rows)
     prompts = load_prompts(_cfg(tmp_path, "builtin:mtbench", 80))
     assert check_held_out(prompts, trained)["num_train_conversations"] > 10_000
+
+
+def test_several_sources_are_evaluated_together_each_row_in_its_category_or_named_after_its_source(tmp_path):
+    """`evaluate.prompts: [builtin:mtbench, builtin:humaneval, chat.jsonl]`: the first `num_prompts` of each source;
+    MT-Bench keeps its categories, HumanEval's and the file's rows take their source's name, so each is decoded as a
+    group of its own and reported by category."""
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"id": f"c{i}", "prompt": f"Explain heap {i}."}) for i in range(3)))
+    sources_list = ["builtin:mtbench", "builtin:humaneval", str(chat)]
+    cfg = config_from_dict({"evaluate": {"prompts": sources_list, "num_prompts": 2}})
+    prompts = load_prompts(cfg)
+    assert [(p["id"], p["category"]) for p in prompts] == [
+        ("mtbench:81", "writing"),
+        ("mtbench:82", "writing"),
+        ("humaneval:HumanEval/0", "humaneval"),
+        ("humaneval:HumanEval/1", "humaneval"),
+        ("c0", "chat"),
+        ("c1", "chat"),
+    ]
+    assert [g["category"] for g in prompt_groups(prompts, 2)] == ["writing", "humaneval", "chat"]
+    assert load_prompts(config_from_dict({"evaluate": {"prompts": str(chat), "num_prompts": 2}}))[0]["category"] is None
+    with pytest.raises(ValueError, match=r"evaluate.num_prompts=4 but .*chat.jsonl has 3 prompts"):
+        load_prompts(config_from_dict({"evaluate": {"prompts": sources_list, "num_prompts": 4}}))
