@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from bench.gpu_train_bench import speculators_cli_command, write_spec_dataset
 from eagle3_ray.core import shards, storage, verifiers
 from eagle3_ray.core.config import load_config
-from eagle3_ray.evaluate import report
+from eagle3_ray.evaluate import acceptance, report
 from eagle3_ray.evaluate.engine import engine_args
 from eagle3_ray.evaluate.measure import measure_baseline_again, plain_runs, run_engine
 from eagle3_ray.evaluate.prediction import predicted_vs_measured, training_metrics
@@ -178,9 +178,9 @@ def measure(
                         "concurrency": c,
                         "tokens_per_s": tokens_per_s,
                         "speedup": tokens_per_s / next(r["tokens_per_s"] for r in rows if r["concurrency"] == c),
-                        **{key: run["spec"][key] for key in report.SPEC_TOTALS},
-                        **report.acceptance(run["spec"]),
-                        "acceptance_per_position": report.per_position(run["spec"]),
+                        **{key: run["spec"][key] for key in acceptance.SPEC_TOTALS},
+                        **acceptance.acceptance(run["spec"]),
+                        "acceptance_per_position": acceptance.per_position(run["spec"]),
                         "by_category": report.breakdown(run, base[c], "category"),
                     }
                 )
