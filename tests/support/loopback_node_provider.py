@@ -62,6 +62,11 @@ class LoopbackNodeProvider(FakeMultiNodeProvider):
                 # Every node of the bed shares the head's session logs dir, whose log monitor already streams each
                 # worker's log to its driver: a monitor per worker node would stream every line once per node.
                 include_log_monitor=False,
+                # A node's runtime env agent unpacks a job's working_dir afresh (rmtree, then unzip) when the job first
+                # needs it there; in a directory shared with the other nodes that pulls the current directory from
+                # under their running workers (`os.getcwd()` then fails, as in vLLM's engine start). Each machine of
+                # a real cluster has its own.
+                runtime_env_dir_name=f"runtime_resources_{node_id}",
                 env_vars={
                     "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id,
                     "RAY_CLOUD_INSTANCE_ID": node_id,
