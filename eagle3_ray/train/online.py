@@ -19,14 +19,17 @@ Recovery: a killed train worker makes Ray Train restart the worker group from th
 group's dataset shard re-executes the stream from its start, so the interrupted epoch is trained again from the
 checkpoint's weights and every sample is trained once in it (the partial epoch's updates are discarded with the
 weights that made them). With the cache on, units already committed are read back instead of regenerated. A killed
-engine actor is restarted by Ray (max_restarts) and its unit sent again (max_task_retries); the engines outlive
-worker-group restarts.
+engine actor (or its whole node) is restarted by Ray (max_restarts) on another node and its units sent again
+(max_task_retries); the engines outlive worker-group restarts. EngineWatch logs each engine's loss and return
+(`engine_lost`, `engine_back`) in the driver's log, which is the job's.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 from ray.train import DataConfig
 
@@ -78,6 +81,49 @@ def start_engines(
         )
         for _ in range(cfg.generate.num_replicas)
     ]
+
+
+class EngineWatch:
+    """A driver thread that polls the engine actors' state (Ray's state API, every `every_s`) and logs a line when
+    one is lost (`engine_lost`: no longer ALIVE, with the node it ran on) and when it is back (`engine_back`: ALIVE
+    again, on which node, after how many seconds). Recovery itself is Ray's; this only says when it happened."""
+
+    def __init__(self, engines: list, every_s: float = 1.0):
+        self.ids = [e._actor_id.hex() for e in engines]
+        self.every_s, self.stop = every_s, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EngineWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        from ray.util.state import get_actor
+
+        nodes: dict[str, str | None] = {}
+        lost_at: dict[str, float] = {}
+        while not self.stop.wait(self.every_s):
+            for replica, actor_id in enumerate(self.ids):
+                try:
+                    actor = get_actor(actor_id)
+                except Exception as e:  # the dashboard busy or restarting: ask again at the next poll
+                    log(STAGE, "engine_watch_error", replica=replica, error=f"{type(e).__name__}: {e}")
+                    continue
+                if actor is None:
+                    continue
+                alive = actor.state == "ALIVE"
+                if not alive and actor_id not in lost_at and actor_id in nodes:
+                    lost_at[actor_id] = time.time()
+                    log(STAGE, "engine_lost", replica=replica, node=nodes[actor_id], state=actor.state)
+                elif alive and actor_id in lost_at:
+                    down_s = time.time() - lost_at.pop(actor_id)
+                    log(STAGE, "engine_back", replica=replica, node=actor.node_id, down_s=round(down_s, 1))
+                if alive:
+                    nodes[actor_id] = actor.node_id
 
 
 class EngineRouter:

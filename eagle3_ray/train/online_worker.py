@@ -114,13 +114,14 @@ class StreamBatches:
     def _train_packs(self):
         loop = self.loop
         train, val = Packer(loop.collate, loop.total_seq_len), Packer(loop.collate, loop.total_seq_len)
-        num_rows = 0
+        num_rows = num_val_rows = 0
         for row in _rows(loop.stream):
             num_rows += 1
             sample = stream_sample(row, loop.num_aux, loop.dtype)
             if isinstance(sample, SampleUnavailable) and loop.cfg.train.on_bad_sample == "fail":
                 raise data.BadSampleError(sample.reason)
             if row["id"] in loop.val_ids:
+                num_val_rows += 1
                 done = val.add(sample)
                 if done is not None:
                     self._validate(done)
@@ -129,7 +130,10 @@ class StreamBatches:
         if train.samples:
             yield train.flush()
         self._validate(val.flush())  # also when empty: every rank must hold the same metric keys
-        log("train", "stream_done", rank=loop.rank, rows=num_rows)
+        # the epoch's row counts ride in the same cross-rank sum: the epoch record then says how many samples the
+        # stream delivered (each sample once per epoch, also when an engine or its node was lost)
+        self.val_sums.add({}, train_rows=float(num_rows - num_val_rows), val_rows=float(num_val_rows))
+        log("train", "stream_done", rank=loop.rank, rows=num_rows, val_rows=num_val_rows)
 
     @torch.no_grad()
     def _validate(self, batch: dict) -> None:
@@ -181,6 +185,8 @@ class OnlineLoop(Loop):
             **summarize(val, self.cfg.train.ttt_steps, "val_"),
             **acceptance.summarize(val, ks, max_tokens=self.cfg.evaluate.max_tokens),
             "val_bad_samples": val["bad_samples"],
+            "train_samples": val["train_rows"],
+            "val_samples": val["val_rows"],
         }
 
     def _cache_loaders(self, cache_dir: str):

@@ -170,7 +170,8 @@ def _train_online(cfg: Config, ingest_dir: str, out_dir: str) -> dict:
         args, dataset, split, engines = online.prepare(cfg, ingest_dir, out_dir, created_pgs)
         check_split(split["num_train"], len(split["val_ids"]), cfg)
         initial = start_from(cfg, out_dir, args.capture, args)
-        fit(trainer(cfg, out_dir, args, OnlineLoop, train=dataset))
+        with online.EngineWatch(engines):
+            fit(trainer(cfg, out_dir, args, OnlineLoop, train=dataset))
     finally:
         for engine in engines:
             ray.kill(engine, no_restart=True)
