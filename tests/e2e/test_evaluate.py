@@ -168,6 +168,8 @@ def test_gate_fails_a_missed_threshold_and_passes_a_met_one_without_restarting_e
     assert not reported["passed"]
     out = capsys.readouterr().out
     assert out.count("[eagle3 evaluate] already_done") == 4 and "deploy gate: FAIL" in out
+    # the drafter trained on samples far shorter than the 512 tokens served: one warning line on every run
+    assert out.count("[eagle3 evaluate] warning: verifier.max_model_len=512 exceeds the longest training sequence") == 4
 
 
 def test_evaluate_job_exits_nonzero_with_a_summary_when_the_gate_fails(trained, tiny_llama, tmp_path):
@@ -208,6 +210,34 @@ def test_report_files_exist_and_hold_the_measured_numbers(trained):
             f"{row['speedup']:.2f}x | {row['acceptance_rate']:.3f} | {row['mean_acceptance_length']:.3f} |" in report
         )
     assert [r["concurrency"] for r in results["rows"] if not r["num_speculative_tokens"]] == [1, 4]
+    assert "| mean acceptance length, pooled | mean acceptance length, per-request mean |" in report
+    assert "Acceptance by context length, at concurrency 1" in report and "- **context warning**: " in report
+
+
+def test_each_request_at_concurrency_1_has_its_own_acceptance_next_to_the_pooled_one(trained):
+    """At concurrency 1 every wave is one request, so the counters read around a wave are that request's own: each
+    emits one token from its prompt and accepted + 1 per verify step (the last step's surplus past max_tokens or the
+    end-of-turn token dropped), and the requests add up to the row. The per-request mean and the context buckets come
+    from them; at concurrency 4 there is no request of its own to read."""
+    rows = {r["concurrency"]: r for r in spec_rows(trained["results"])}
+    one, four = rows[1], rows[4]
+    requests = one["requests"]
+    for r in requests:
+        print(f"{r['prompt']}: {r['prompt_tokens']}+{r['output_tokens']} tokens, {r['num_drafts']} drafts, "
+              f"{r['num_accepted_tokens']} accepted")  # fmt: skip
+    assert [r["prompt"] for r in requests] == trained["results"]["prompt_ids"]
+    assert all(0 <= 1 + r["num_drafts"] + r["num_accepted_tokens"] - r["output_tokens"] <= 3 for r in requests)
+    assert sum(r["num_drafts"] for r in requests) == one["num_drafts"]
+    assert sum(r["num_accepted_tokens"] for r in requests) == one["num_accepted_tokens"]
+    own = [1 + r["num_accepted_tokens"] / r["num_drafts"] for r in requests if r["num_drafts"]]
+    assert one["mean_acceptance_length_per_request"] == pytest.approx(sum(own) / len(own))
+    assert one["mean_acceptance_length"] == pytest.approx(1 + one["num_accepted_tokens"] / one["num_drafts"])
+    buckets = one["by_context_length"]
+    assert sum(b["num_requests"] for b in buckets.values()) == 8 and set(buckets) <= {"<256", "256-512"}
+    assert (four["requests"], four["by_context_length"], four["mean_acceptance_length_per_request"]) == ([], None, None)
+    context = trained["results"]["training_context"]
+    assert context["max_model_len"] == 512 and 0 < context["longest_training_sequence"]["num_tokens"] < 512
+    assert context["longest_training_sequence"]["source"].endswith("manifest.parquet")
 
 
 def test_prompts_seen_in_training_are_refused(trained, tiny_llama, tmp_path):
