@@ -49,17 +49,26 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Session fixtures that live in tests/support (the autoscaling bed made from cluster.yaml and the pipeline job on it,
-# one S3 server, one converted SmolLM2 per session).
+# Session fixtures that live in tests/support (the autoscaling bed made from cluster.yaml and the jobs on it: the
+# pipeline job, its training again uninterrupted, the online job; one S3 server, one converted SmolLM2 per session).
 pytest_plugins = [
     "tests.support.autoscaling",
     "tests.support.pipeline_job",
     "tests.support.s3",
     "tests.support.verifiers",
+    "tests.support.online_job",  # imports pipeline_job and s3: registered after them
 ]
 
 # Fixtures that start Ray or a vLLM engine, or convert the real model: a test of the unit tier must not use them.
-E2E_FIXTURES = {"ray_session", "autoscaling_cluster", "pipeline_job", "vllm_engine", "smollm2_verifier"}
+E2E_FIXTURES = {
+    "ray_session",
+    "autoscaling_cluster",
+    "pipeline_job",
+    "online_job",
+    "uninterrupted_train",
+    "vllm_engine",
+    "smollm2_verifier",
+}
 TIERS = ("unit", "e2e", "gpu")
 
 

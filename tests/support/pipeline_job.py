@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from eagle3_ray.core import storage
+from eagle3_ray.core.telemetry import read_jsonl
 from tests.support.autoscaling import AutoscalingCluster
 from tests.support.ray_head import RayHead
 from tests.support.s3 import pointed_at
@@ -119,12 +121,17 @@ class FinishedJob:
     ended_at: float = 0.0
 
 
-def alive_actor(head: RayHead, class_part: str) -> dict | None:
-    """An ALIVE actor whose class name contains `class_part` (the state API's record: node_id, pid, ...)."""
+def alive_actors(head: RayHead) -> list[dict]:
+    """Every ALIVE actor (the state API's records: class_name, node_id, pid, ...)."""
     reply = head.get(
         "/api/v0/actors?limit=1000&detail=true&filter_keys=state&filter_predicates=%3D&filter_values=ALIVE"
     )
-    actors = [a for a in reply["data"]["result"]["result"] if class_part in (a.get("class_name") or "")]
+    return reply["data"]["result"]["result"]
+
+
+def alive_actor(head: RayHead, class_part: str) -> dict | None:
+    """An ALIVE actor whose class name contains `class_part`."""
+    actors = [a for a in alive_actors(head) if class_part in (a.get("class_name") or "")]
     return actors[0] if actors else None
 
 
@@ -229,3 +236,23 @@ def pipeline_job(autoscaling_cluster, s3_server) -> FinishedJob:
     cluster.wait_for_workers(0, timeout_s=120)
     job.scale_down_s = time.monotonic() - job.ended_at
     return job
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_train(autoscaling_cluster, s3_server, pipeline_job) -> list[dict]:
+    """The session job's training once more, with no stop and no node lost: its ingest and generate outputs copied
+    to a run of their own (`full-uninterrupted`) and the job's config submitted there with `--stages train`, so the
+    train version and every step's math are the same. Returns that training's metrics.jsonl records."""
+    head = autoscaling_cluster.head
+    storage_path = f"s3://{s3_server.bucket}/runs"
+    run_dir = f"{storage_path}/full-uninterrupted"
+    entrypoint = pipeline_entrypoint(storage_path, "full-uninterrupted", *STOPPABLE, "--stages", "train")
+    with pointed_at(s3_server):
+        for stage in ("ingest", "generate"):
+            done = storage.latest(pipeline_job.run_dir, stage)
+            fs, source = storage.resolve(done["path"])
+            _, target = storage.resolve(storage.stage_dir(run_dir, stage, done["version"]))
+            pafs.copy_files(source, target, source_filesystem=fs, destination_filesystem=fs)
+        head.submit("eagle3-full-uninterrupted", *entrypoint, env_vars=s3_server.env)
+        head.wait("eagle3-full-uninterrupted", {"SUCCEEDED"}, timeout_s=600)
+        return read_jsonl(storage.join(storage.latest(run_dir, "train")["path"], "metrics.jsonl"))
