@@ -156,10 +156,12 @@ def load_into(model, path: str, expected_sha256: str) -> dict[str, int]:
 
     tensors, _digest = read_weights(path, expected_sha256)
     state = {k: v for k, v in tensors.items() if not k.startswith(NOT_LOADED)}
-    old_ids, new_ids = drafter_token_ids(tensors), draft_token_ids(model.d2t, model.draft_vocab_size)
+    # On the host: the model may already sit on its GPU (load_state_dict copies across devices).
+    run_d2t = None if model.d2t is None else model.d2t.detach().cpu()
+    old_ids, new_ids = drafter_token_ids(tensors), draft_token_ids(run_d2t, model.draft_vocab_size)
     if len(old_ids):
         state["lm_head.weight"], _kept = remap_head_rows(
-            tensors["lm_head.weight"], old_ids, model.lm_head.weight, new_ids
+            tensors["lm_head.weight"], old_ids, model.lm_head.weight.detach().cpu(), new_ids
         )
     missing, unexpected = model.load_state_dict(state, strict=False)
     left = set(missing) - set(FROZEN_KEYS) - {"d2t", "t2d", "lm_head.weight"}  # no head shipped: the verifier's rows

@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from tests.support.device_checks import planned_rows_cut_by_sample_are_each_samples_planned_capture, tiny_bench_run
+from tests.support.device_checks import (
+    drafter_loads_into_a_run_with_another_draft_vocabulary,
+    planned_rows_cut_by_sample_are_each_samples_planned_capture,
+    tiny_bench_run,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +50,8 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
         assert received == (3 if epoch == 0 else len(host))
     torch.cuda.synchronize()
     assert batches.num_copied >= 3 and batches.pin_s > 0
+
+
+def test_a_drafter_loads_into_a_run_built_on_cuda(tiny_llama, tmp_path):
+    """train.init_from where the run's drafter already sits on its GPU (the worker builds it there)."""
+    drafter_loads_into_a_run_with_another_draft_vocabulary("cuda", tiny_llama, tmp_path)

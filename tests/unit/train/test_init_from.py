@@ -3,16 +3,14 @@ between two draft vocabularies, and loading a real speculators drafter into a ru
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from eagle3_ray.core.config import UserError, config_from_dict, versioned
 from eagle3_ray.core.contract import initial_drafter_problems
-from eagle3_ray.generate.output import capture_contract
-from eagle3_ray.train import checkpoints, init_from, vocab
+from eagle3_ray.train import init_from
+from tests.support.device_checks import drafter_dir as _drafter_dir
+from tests.support.device_checks import drafter_loads_into_a_run_with_another_draft_vocabulary
 
 pytestmark = pytest.mark.unit
 
@@ -108,14 +106,6 @@ def test_init_from_is_part_of_the_train_version_and_a_local_path_is_made_absolut
     assert config_from_dict({"train": {"init_from": "s3://b/d"}}).train.init_from == "s3://b/d"
 
 
-def _drafter_dir(tmp_path, config: dict, tensors: dict | None = None):
-    d = tmp_path / "drafter"
-    d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config))
-    save_file(tensors or {"lm_head.weight": torch.zeros(2, 2)}, str(d / "model.safetensors"))
-    return str(d)
-
-
 def test_check_refuses_in_one_line_and_says_what_a_drafter_dir_lacks(tmp_path):
     cfg = config_from_dict({"train": {"init_from": _drafter_dir(tmp_path, drafter_config(layer={"hidden_size": 576}))}})
     with pytest.raises(UserError) as err:
@@ -129,41 +119,5 @@ def test_check_refuses_in_one_line_and_says_what_a_drafter_dir_lacks(tmp_path):
         init_from.check(other, CAPTURE)
 
 
-def _model(tiny_llama, capture, tmp_path, name: str, counts, draft_vocab_size: int):
-    from eagle3_ray.train import worker
-
-    vocab_dir = str(tmp_path / name)
-    vocab.save_vocab(vocab_dir, *vocab.build_vocab(counts, draft_vocab_size, capture["vocab_size"]), counts)
-    cfg = config_from_dict(
-        {"verifier": {"path": tiny_llama}, "train": {"draft_vocab_size": draft_vocab_size, "compile": "off"}}
-    )
-    return worker.build_model(cfg, capture, vocab_dir, torch.device("cpu"))
-
-
 def test_a_drafter_loads_into_a_run_with_another_draft_vocabulary_rows_following_their_tokens(tiny_llama, tmp_path):
-    capture = capture_contract(config_from_dict({"verifier": {"aux_layer_ids": [1, 3, 4]}}), tiny_llama)
-    torch.manual_seed(1)
-    old = _model(tiny_llama, capture, tmp_path, "old", vocab.count_tokens([(list(range(300)), [1] * 300)]), 256)
-    with torch.no_grad():
-        old.lm_head.weight.normal_()  # a head trained away from the verifier's rows
-    state = checkpoints.trainable_state_dict(old)
-    path = _drafter_dir(tmp_path, old.config.to_dict(), state)
-    torch.manual_seed(2)
-    new_counts = vocab.count_tokens([(list(range(200, 500)), [1] * 300)])
-    new = _model(tiny_llama, capture, tmp_path, "new", new_counts, 128)
-    fresh_head = new.lm_head.weight.detach().clone()
-    with pytest.raises(ValueError, match="changed meanwhile"):
-        init_from.load_into(new, path, "0" * 64)
-    counts = init_from.load_into(
-        new, path, init_from.fingerprint((tmp_path / "drafter" / "model.safetensors").read_bytes())
-    )
-    assert torch.equal(new.fc.weight, old.fc.weight)
-    assert torch.equal(new.layers[0].mlp.down_proj.weight, old.layers[0].mlp.down_proj.weight)
-    old_ids, new_ids = init_from.draft_token_ids(old.d2t, 256), init_from.draft_token_ids(new.d2t, 128)
-    for draft_id, token in enumerate(new_ids.tolist()):
-        hits = (old_ids == token).nonzero()
-        expected = old.lm_head.weight[hits[0, 0]] if len(hits) else fresh_head[draft_id]
-        assert torch.equal(new.lm_head.weight[draft_id], expected)
-    assert counts["rows_from_drafter"] == int(torch.isin(new_ids, old_ids).sum()) > 0
-    assert counts["new_rows"] > 0
-    assert torch.equal(new.d2t, vocab.load_vocab(str(tmp_path / "new"))[0])  # the run's own mapping stays
+    drafter_loads_into_a_run_with_another_draft_vocabulary("cpu", tiny_llama, tmp_path)
