@@ -106,12 +106,15 @@ class EngineWatch:
 
         nodes: dict[str, str | None] = {}
         lost_at: dict[str, float] = {}
+        failed: set[str] = set()
         while not self.stop.wait(self.every_s):
             for replica, actor_id in enumerate(self.ids):
                 try:
                     actor = get_actor(actor_id)
-                except Exception as e:  # the dashboard busy or restarting: ask again at the next poll
-                    log(STAGE, "engine_watch_error", replica=replica, error=f"{type(e).__name__}: {e}")
+                except Exception as e:  # the dashboard busy, restarting or absent: ask again at the next poll
+                    if type(e).__name__ not in failed:  # one line per kind of failure, not one a second
+                        failed.add(type(e).__name__)
+                        log(STAGE, "engine_watch_error", replica=replica, error=f"{type(e).__name__}: {e}")
                     continue
                 if actor is None:
                     continue
