@@ -41,6 +41,19 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _loss_error(spec: str) -> str:
+    """Why speculators would refuse `spec` as a loss (its own parser decides), or "" when it takes it."""
+    if spec == "kl_div":
+        return ""
+    from speculators.losses.utils import resolve_loss_config  # torch and speculators: only for another loss
+
+    try:
+        resolve_loss_config(spec, "eager")
+    except (ValueError, TypeError, KeyError) as e:
+        return f"{spec!r} is not a speculators loss: {e}"
+    return ""
+
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     storage_path: str = "runs"
@@ -339,6 +352,11 @@ class TrainConfig:
     path is part of the stage version; the summary records it with the sha256 of model.safetensors."""
     attn_impl: str = "auto"
     """Drafter attention: `auto` (sdpa on CPU, speculators' flex attention on GPU), `sdpa`, `simple_flex_attention`."""
+    loss: str = "kl_div"
+    """The drafter's loss at each training-time-test step, as speculators names it: `kl_div` (EAGLE-3's), `lk_hybrid`
+    (the LK loss: lambda*KL + (1-lambda)*TV with lambda = exp(-3*acceptance), which trains toward acceptance itself),
+    `tv`, `nla` (-log acceptance), `ce`, `rkl`, `jsd`, or a JSON object of names and weights (`{"kl_div": 0.5, "tv":
+    0.5}`). Validation reports the same loss, so compare runs of different losses by their acceptance estimates."""
     loss_implementation: str = "auto"
     """speculators loss: `auto` (eager), `eager`, `fused` (its Triton kernels, GPU only). auto is eager on GPU too:
     speculators compiles the drafter's forward on CUDA, and under torch 2.11 dynamo fails while tracing the fused
@@ -419,6 +437,8 @@ class TrainConfig:
             "train.attn_impl",
             f"must be auto, sdpa, eager or simple_flex_attention, got {self.attn_impl!r}",
         )
+        error = _loss_error(self.loss)
+        _check(not error, "train.loss", error)
         _check(
             self.loss_implementation in ("auto", "eager", "fused"),
             "train.loss_implementation",

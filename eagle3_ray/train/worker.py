@@ -83,7 +83,7 @@ def loss_kwargs(cfg: Config) -> dict[str, Any]:
     tc = cfg.train
     impl = "eager" if tc.loss_implementation == "auto" else tc.loss_implementation  # config.py says why
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
-        loss_fn="kl_div", loss_implementation=impl, ttt_steps=tc.ttt_steps, ttt_step_loss_decay=1.0
+        loss_fn=tc.loss, loss_implementation=impl, ttt_steps=tc.ttt_steps, ttt_step_loss_decay=1.0
     )
     return train_kwargs
 

@@ -222,3 +222,30 @@ def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_s
     adamw_only = train_worker.make_optimizers(resumed, config_from_dict({}).train, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"optimizers \['Muon', 'AdamW'\], this run builds \['AdamW'\]"):
         checkpoints.restore(str(tmp_path), resumed, adamw_only, [])
+
+
+def _metrics(step, batch, ttt_steps):
+    from eagle3_ray.train import worker as train_worker
+
+    sums = train_worker.MetricSums()
+    sums.add(step(batch))
+    return train_worker.summarize(sums.reduce(), ttt_steps, "")
+
+
+def test_train_loss_picks_speculators_loss_and_the_lk_loss_trains_the_drafter(tmp_path_factory, tiny_llama):
+    cfg, _capture, batches, build = _muon_run(tmp_path_factory, tiny_llama, lr=3e-3, warmup_steps=1)
+    _model, _optimizers, _schedulers, kl_step = build()
+    _model, _optimizers, _schedulers, lk_step = build(loss="lk_hybrid")
+    kl = [_metrics(kl_step, batch, cfg.train.ttt_steps) for batch in batches]
+    lk = [_metrics(lk_step, batch, cfg.train.ttt_steps) for batch in batches]
+    # the same seeded drafter and first batch: the same accuracy, another loss
+    assert lk[0]["acc_0"] == kl[0]["acc_0"] and 0 < lk[0]["loss"] != kl[0]["loss"], (lk[0], kl[0])
+    # trained on it, the drafter's loss falls and its acceptance estimate rises
+    assert sum(m["loss"] for m in lk[-3:]) < 0.95 * sum(m["loss"] for m in lk[:3]), [m["loss"] for m in lk]
+    first, last = (sum(m["acceptance_length"] for m in part) / 3 for part in (lk[:3], lk[-3:]))
+    assert last > first, [m["acceptance_length"] for m in lk]
+
+
+def test_train_loss_that_speculators_does_not_know_names_the_field():
+    with pytest.raises(ValueError, match=r"train.loss: 'lk' is not a speculators loss"):
+        config_from_dict({"train": {"loss": "lk"}})
