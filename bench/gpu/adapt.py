@@ -128,6 +128,19 @@ def write_prompts(folder: str, scale: Scale) -> dict[str, str]:
     return {**paths, "num_code_train": len(train), "num_eval": len(held_out)}
 
 
+def with_fields(scale: Scale, items: list[str]) -> Scale:
+    """`--scale-set num_mtbench=20 epochs=4`: the scale with those integer fields replaced."""
+    fields = {f.name: f for f in dataclasses.fields(Scale)}
+    changes = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or fields[name].type != "int" or not value.lstrip("-").isdigit():
+            ints = sorted(n for n, f in fields.items() if f.type == "int")
+            raise SystemExit(f"--scale-set: {item!r} must be <field>=<integer>, field one of {ints}")
+        changes[name] = int(value)
+    return dataclasses.replace(scale, **changes)
+
+
 def parse_variants(text: str) -> list[tuple[str, str, float]]:
     """`adapt@1e-3,scratch@1e-3` -> [(label, kind, lr)]."""
     out = []
@@ -141,7 +154,7 @@ def parse_variants(text: str) -> list[tuple[str, str, float]]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        self.scale = SCALES[args.scale]
+        self.scale = with_fields(SCALES[args.scale], args.scale_set)
         self.base_set = [*self.scale.base_set, *args.base_set]
         base = load_config(self.scale.base_recipe, self.base_set)
         self.storage_path = base.run.storage_path
@@ -320,6 +333,7 @@ def main() -> None:
     parser.add_argument("--phase", choices=("train", "evaluate", "all"), default="all")
     parser.add_argument("--variants", help="comma-separated kind@lr (kind: adapt, scratch, mix); default per scale")
     parser.add_argument("--base-set", nargs="*", default=[], help="more overrides of the base run (the one made)")
+    parser.add_argument("--scale-set", nargs="*", default=[], help="integer fields of the scale, e.g. num_mtbench=20")
     parser.add_argument("--run-name", help="the code runs' run.name (default adapt-<scale>)")
     parser.add_argument("--out", default="adapt_results.json")
     args = parser.parse_args()
