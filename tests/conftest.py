@@ -49,14 +49,14 @@ def pytest_configure(config):
     os.environ.pop("RAY_ADDRESS", None)
 
 
-# Session fixtures that live in tests/support (the autoscaling bed made from cluster.yaml and the jobs on it: the
-# pipeline job, its training again uninterrupted, the online job; one S3 server, one converted SmolLM2 per session).
+# Session fixtures that live in tests/support (the autoscaling bed made from cluster.yaml and the jobs on it, which
+# run in the background from the session's first test: the pipeline job, its training again uninterrupted, the
+# online job; one S3 server, one converted SmolLM2 per session).
 pytest_plugins = [
     "tests.support.autoscaling",
-    "tests.support.pipeline_job",
     "tests.support.s3",
     "tests.support.verifiers",
-    "tests.support.online_job",  # imports pipeline_job and s3: registered after them
+    "tests.support.bed_jobs",  # imports the job modules, which import autoscaling and s3: registered after them
 ]
 
 # Fixtures that start Ray or a vLLM engine, or convert the real model: a test of the unit tier must not use them.
@@ -66,6 +66,7 @@ E2E_FIXTURES = {
     "pipeline_job",
     "online_job",
     "uninterrupted_train",
+    "bed_idle",
     "vllm_engine",
     "smollm2_verifier",
 }

@@ -1,7 +1,8 @@
 """The pipeline as users run it on a cluster: `ray job submit` to the autoscaling bed made from cluster.yaml (token
 auth on, worker nodes that start from zero), watched through the dashboard's REST API, its run dir on an
 S3-compatible server, stopped mid-generate and resubmitted under the same run name, which resumes it, and in that job
-a worker node lost mid-generate and another mid-train (one run: tests/support/pipeline_job.py's pipeline_job), whose
+a worker node lost mid-generate and another mid-train (one run, in the background from the session's start:
+tests/support/bed_jobs.py), whose
 training then validates like the same training run uninterrupted on a copy of its data (uninterrupted_train)."""
 
 from __future__ import annotations
@@ -98,9 +99,10 @@ def test_stopped_job_resumes_when_resubmitted_and_writes_every_sample_once(pipel
         assert shards.read_sample(storage.join(generated, "shards", r["shard"]), r["key"]).shape[0] == r["num_tokens"]
 
 
-def test_nodes_start_from_zero_for_the_job_and_go_when_it_is_done(autoscaling_cluster, pipeline_job):
+def test_nodes_start_from_zero_for_the_job_and_go_when_it_is_done(bed_idle, pipeline_job):
     """The head schedules no work: every stage ran on worker nodes the autoscaler started from zero (the two killed
     ones and their replacements among them), all on 127.0.0.1, and the idle nodes went once the job was done."""
+    autoscaling_cluster = bed_idle
     assert pipeline_job.workers_at_start == [], "the bed must start with no worker node"
     killed = {k.node_id for k in pipeline_job.kills}
     assert killed < pipeline_job.workers_seen, (killed, pipeline_job.workers_seen)
@@ -156,13 +158,11 @@ def test_a_train_node_lost_mid_run_resumes_from_its_last_checkpoint_on_another_n
     )
 
 
-def test_a_job_asking_for_a_node_no_type_can_make_fails_with_one_line_instead_of_waiting(
-    autoscaling_cluster, pipeline_job, s3_server
-):
+def test_a_job_asking_for_a_node_no_type_can_make_fails_with_one_line_instead_of_waiting(bed_idle, s3_server):
     """16 GPUs on one node for one engine replica, where cluster.yaml's biggest type has 8: Ray and the autoscaler
     would wait forever; the generate stage fails after run.resource_wait_s with one line naming what it needs and the
-    fields that ask for it. (Runs after the session's pipeline job, on the same bed.)"""
-    head = autoscaling_cluster.head
+    fields that ask for it. (Runs after the session's jobs, on the same bed.)"""
+    head = bed_idle.head
     storage_path = f"s3://{s3_server.bucket}/runs"
     too_big = ["generate.tensor_parallel_size=16", "generate.num_gpus_per_worker=1", "run.resource_wait_s=5"]
     entrypoint = pipeline_entrypoint(storage_path, "too-big", "--stages", "ingest,generate", *STOPPABLE, *too_big)

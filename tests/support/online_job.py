@@ -13,8 +13,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import pytest
-
 from eagle3_ray.core import storage
 from eagle3_ray.core.telemetry import read_jsonl
 from tests.support.autoscaling import AutoscalingCluster
@@ -82,20 +80,19 @@ class EngineNodeKiller:
         self.kill = NodeKill("train_online", node_id, engine["class_name"], time.monotonic(), time.time())
 
 
-@pytest.fixture(scope="session")
-def online_job(autoscaling_cluster, s3_server, pipeline_job) -> OnlineJob:
-    """Online training submitted to the bed after the session's pipeline job (`pipeline_job`: that one needs the bed
-    to start with no worker node), its engine's node SIGKILLed mid-epoch 1; the job must finish without a
-    resubmit."""
-    head = autoscaling_cluster.head
+def submit_online_job(cluster: AutoscalingCluster, s3_server) -> OnlineJob:
+    """Online training submitted to the bed after the session's pipeline job (that one needs the bed to start with no
+    worker node), its engine's node SIGKILLed mid-epoch 1; the job must finish without a resubmit. The session runs
+    it in the background after the pipeline job (tests/support/bed_jobs.py): fixture `online_job`."""
+    head = cluster.head
     storage_path = f"s3://{s3_server.bucket}/runs"
-    killer = EngineNodeKiller(autoscaling_cluster)
+    killer = EngineNodeKiller(cluster)
     # the venv's interpreter, not `python`: the entrypoint shell's PATH is the head's
     entrypoint = [sys.executable, "ray_jobs/pipeline.py", RECIPE, f"run.storage_path={storage_path}", "run.name=online"]
     entrypoint += ONLINE
     with pointed_at(s3_server):
         head.submit(SUBMISSION_ID, *entrypoint, env_vars=s3_server.env)
-        info = head.wait(SUBMISSION_ID, {"SUCCEEDED"}, timeout_s=900, every_s=1.0, on_poll=killer)
+        info = head.wait(SUBMISSION_ID, {"SUCCEEDED"}, timeout_s=1800, every_s=1.0, on_poll=killer)
         logs = head.logs(SUBMISSION_ID)
         assert killer.kill is not None, f"the job ended before a train step of epoch {KILL_IN_EPOCH}:\n{logs[-4000:]}"
         train_dir = storage.latest(f"{storage_path}/online", "train")["path"]

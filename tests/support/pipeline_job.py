@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.fs as pafs
-import pytest
 
 from eagle3_ray.core import storage
 from eagle3_ray.core.telemetry import read_jsonl
@@ -153,7 +152,7 @@ def run_job(
     entrypoint: list[str],
     run_dir: Path | str | None,
     *,
-    timeout_s: float = 900,
+    timeout_s: float = 1800,  # the job runs beside the rest of the suite (tests/support/bed_jobs.py)
     env_vars: dict[str, str] | None = None,
     on_poll: Callable[[dict], None] | None = None,
 ) -> FinishedJob:
@@ -204,15 +203,14 @@ class NodeKiller:
         self.kills.append(NodeKill(stage, actor["node_id"], actor["class_name"], time.monotonic(), time.time()))
 
 
-@pytest.fixture(scope="session")
-def pipeline_job(autoscaling_cluster, s3_server) -> FinishedJob:
+def submit_pipeline_job(cluster: AutoscalingCluster, s3_server) -> FinishedJob:
     """The tiny Kimi pipeline on the autoscaling bed: submitted, stopped through the Jobs REST API (what
     `ray job stop` calls) the moment generate's first unit commits, resubmitted under the same run name, which resumes
     it; in that job the node of a generate engine and then the node of the train worker are SIGKILLed, and the job
     must finish on the nodes the autoscaler starts instead. Returns the resubmitted job (`stopped_logs`: the first
     one's log; `kills`; the worker nodes seen; how long the idle nodes took to go after it). Read the run in a test
-    through `s3_env`."""
-    cluster, head = autoscaling_cluster, autoscaling_cluster.head
+    through `s3_env`. The session runs it in the background (tests/support/bed_jobs.py): fixture `pipeline_job`."""
+    head = cluster.head
     workers_at_start = cluster.workers()
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full"
@@ -238,12 +236,12 @@ def pipeline_job(autoscaling_cluster, s3_server) -> FinishedJob:
     return job
 
 
-@pytest.fixture(scope="session")
-def uninterrupted_train(autoscaling_cluster, s3_server, pipeline_job) -> list[dict]:
+def train_uninterrupted(cluster: AutoscalingCluster, s3_server, pipeline_job: FinishedJob) -> list[dict]:
     """The session job's training once more, with no stop and no node lost: its ingest and generate outputs copied
     to a run of their own (`full-uninterrupted`) and the job's config submitted there with `--stages train`, so the
-    train version and every step's math are the same. Returns that training's metrics.jsonl records."""
-    head = autoscaling_cluster.head
+    train version and every step's math are the same. Returns that training's metrics.jsonl records (fixture
+    `uninterrupted_train`)."""
+    head = cluster.head
     storage_path = f"s3://{s3_server.bucket}/runs"
     run_dir = f"{storage_path}/full-uninterrupted"
     entrypoint = pipeline_entrypoint(storage_path, "full-uninterrupted", *STOPPABLE, "--stages", "train")
@@ -254,5 +252,5 @@ def uninterrupted_train(autoscaling_cluster, s3_server, pipeline_job) -> list[di
             _, target = storage.resolve(storage.stage_dir(run_dir, stage, done["version"]))
             pafs.copy_files(source, target, source_filesystem=fs, destination_filesystem=fs)
         head.submit("eagle3-full-uninterrupted", *entrypoint, env_vars=s3_server.env)
-        head.wait("eagle3-full-uninterrupted", {"SUCCEEDED"}, timeout_s=600)
+        head.wait("eagle3-full-uninterrupted", {"SUCCEEDED"}, timeout_s=900)
         return read_jsonl(storage.join(storage.latest(run_dir, "train")["path"], "metrics.jsonl"))
