@@ -340,6 +340,10 @@ class TrainConfig:
     """Training-time-test steps (draft positions trained per sample)."""
     num_draft_layers: int = 1
     """Decoder layers in the drafter."""
+    fc_norm: bool = False
+    """EAGLE 3.1's input norms: one RMSNorm per captured verifier layer before `fc` (speculators' fc_norm) instead of
+    one over their concatenation (norm_before_fc). Export writes it where the serving vLLM reads it (vLLM 0.24 reads
+    it only in the compat layout, which export then picks)."""
     draft_vocab_size: int = 1024
     """Draft vocabulary size (most frequent response tokens), mapped with speculators' d2t/t2d."""
     init_from: str | None = None

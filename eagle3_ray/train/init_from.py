@@ -30,11 +30,16 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from eagle3_ray.core import contract, storage
-from eagle3_ray.core.config import Config, UserError
+from eagle3_ray.core.config import Config, TrainConfig, UserError
 from eagle3_ray.core.telemetry import log
 
-TRAINED_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
-"""The drafter flags (contract.DRAFTER_FLAGS) of every drafter this project trains (worker.build_model)."""
+
+def trained_flags(tc: TrainConfig) -> dict[str, bool]:
+    """The drafter flags (contract.DRAFTER_FLAGS) of the drafters training builds with `tc` (worker.build_model):
+    norms before the residual and on the output always, the input norms per `train.fc_norm`."""
+    return {"norm_before_residual": True, "norm_before_fc": not tc.fc_norm, "fc_norm": tc.fc_norm, "norm_output": True}
+
+
 FILES = ("config.json", "model.safetensors")
 # Tensors a drafter may carry that a run takes from elsewhere: the verifier's (embeddings, head, norm; export leaves
 # them out, speculators' save_pretrained keeps embed_tokens) and the draft vocabulary's mapping (the run's own).
@@ -65,7 +70,7 @@ def check(cfg: Config, capture: dict[str, Any]) -> dict[str, Any]:
         problems = contract.initial_drafter_problems(
             config,
             capture,
-            flags=TRAINED_FLAGS,
+            flags=trained_flags(cfg.train),
             num_draft_layers=cfg.train.num_draft_layers,
             drafter_where=where,
             verifier_where=f"{capture['verifier_path']}/config.json",

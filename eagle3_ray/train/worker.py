@@ -57,7 +57,7 @@ def build_model(cfg: Config, capture: dict, vocab_dir: str, device: torch.device
         t2d=t2d,
         d2t=d2t,
         draft_vocab_size=tc.draft_vocab_size,
-        **init_from.TRAINED_FLAGS,
+        **init_from.trained_flags(cfg.train),
         ttt_steps=tc.ttt_steps,
         verifier_name_or_path=verifier,
         target_layer_ids=capture["aux_layer_ids"],

@@ -336,6 +336,29 @@ def test_replay_estimate_on_the_same_prompts_is_within_0_05_of_vllms_mean_accept
     assert not check["flagged"] and check["predicted_acceptance_length"] == predicted["val_replay_acceptance_length_k3"]
 
 
+def test_a_drafter_with_eagle31_input_norms_runs_in_vllm_as_training_replays_it(
+    ray_session, tmp_path_factory, tiny_llama
+):
+    """train.fc_norm (EAGLE 3.1: one norm per captured layer before fc): vLLM builds the drafter with those norms
+    and accepts its drafts as often as training's replay of the same prompts predicts."""
+    run_dir = cached_run(
+        tmp_path_factory, tiny_llama, "fc-norm", num_steps=100, num_epochs=2, train_fields={"fc_norm": True}
+    )
+    cfg = make_cfg(run_dir, tiny_llama, concurrency=[1])
+    export.run(cfg)
+    drafter = storage.latest(str(run_dir), "export")["speculators_dir"]
+    config = storage.read_json(storage.join(drafter, "config.json"))
+    assert config["fc_norm"] is True and config["norm_before_fc"] is False and config["norm_output"] is True
+    prompts = tokenize_prompts(tiny_llama, load_prompts(cfg), False)
+    engine = run_engine(cfg, engine_args(cfg, tiny_llama, drafter, 3), prompts)
+    assert engine["speculative"]["drafter_flags"]["fc_norm"] is True, engine["speculative"]
+    spec = engine["runs"][1]["spec"]
+    measured = 1.0 + spec["num_accepted_tokens"] / spec["num_drafts"]
+    predicted = replay_on_prompts(tiny_llama, drafter, load_prompts(cfg), cfg.evaluate.max_tokens, 3)
+    print(f"fc_norm drafter, k=3: replay {predicted['val_replay_acceptance_length_k3']:.3f} vLLM {measured:.3f}")
+    assert measured > 1.1 and abs(predicted["val_replay_acceptance_length_k3"] - measured) <= 0.05
+
+
 def test_evaluate_reports_the_drafter_flags_vllm_runs_with_and_training_metrics_next_to_measured(trained):
     results = trained["results"]
     assert results["vllm_speculative"]["3"]["drafter_flags"] == {

@@ -27,11 +27,12 @@ def train_tiny_drafter(
     max_new_tokens: int = 32,
     seed: int = 0,
     num_epochs: int = 1,
+    train_fields: dict | None = None,
 ) -> Path:
     """Train a drafter for `num_steps` per epoch (0: untrained), save one checkpoint per epoch with the project's
     checkpoints.save, write train/LATEST.json; the generate output (the builtin train prompts: NUM_TRAIN_PROMPTS
-    trained on, then NUM_VAL_PROMPTS held out as the validation split) is generate/LATEST. Returns the last
-    checkpoint dir."""
+    trained on, then NUM_VAL_PROMPTS held out as the validation split) is generate/LATEST. `train_fields`: more train
+    config (`{"fc_norm": True}`). Returns the last checkpoint dir."""
     from eagle3_ray.core import storage
     from eagle3_ray.core.config import config_from_dict
     from eagle3_ray.core.prompts import tiny_prompts
@@ -61,6 +62,7 @@ def train_tiny_drafter(
                 "lr": 1e-3,
                 "warmup_steps": 0,
                 "compile": "off",
+                **(train_fields or {}),
             },
         }
     )

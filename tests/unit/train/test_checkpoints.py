@@ -249,3 +249,32 @@ def test_train_loss_picks_speculators_loss_and_the_lk_loss_trains_the_drafter(tm
 def test_train_loss_that_speculators_does_not_know_names_the_field():
     with pytest.raises(ValueError, match=r"train.loss: 'lk' is not a speculators loss"):
         config_from_dict({"train": {"loss": "lk"}})
+
+
+def test_train_fc_norm_builds_one_input_norm_per_captured_layer_and_export_writes_it_where_vllm_0_24_reads_it(
+    tmp_path_factory, tiny_llama
+):
+    from eagle3_ray.core import contract
+    from eagle3_ray.train import export, init_from
+
+    cfg, capture, batches, build = _muon_run(tmp_path_factory, tiny_llama, fc_norm=True)
+    model, _optimizers, _schedulers, step = build()
+    assert model.input_norm is None and len(model.fc_norm) == len(capture["aux_layer_ids"])
+    before = [norm.weight.detach().clone() for norm in model.fc_norm]
+    for batch in batches[:3]:
+        _loss(step, batch, cfg.train.ttt_steps)
+    assert all(not torch.equal(b, norm.weight) for b, norm in zip(before, model.fc_norm, strict=True))
+    checkpoint_config = model.config.to_dict()
+    flags = {flag: checkpoint_config[flag] for flag in contract.DRAFTER_FLAGS}
+    assert flags == init_from.trained_flags(cfg.train) and flags["fc_norm"] and not flags["norm_before_fc"]
+    # vLLM 0.24's speculators loader drops fc_norm from the plain layout; export's compat layout carries it
+    assert "fc_norm" in contract.dropped_flags(checkpoint_config, "0.24.0")
+    assert export.compat_layout(cfg, checkpoint_config, "0.24.0")
+    compat = export.export_config(checkpoint_config, capture, tiny_llama, "bfloat16", vllm_compat_layout=True)
+    assert contract.check_serving(compat, "0.24.0", where="d")["flags"] == flags
+    assert (
+        contract.check_serving(
+            export.export_config(checkpoint_config, capture, tiny_llama, "bfloat16"), "0.32.0", where="d"
+        )["flags"]
+        == flags
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_ray.core.config import UserError, config_from_dict, versioned
+from eagle3_ray.core.config import TrainConfig, UserError, config_from_dict, versioned
 from eagle3_ray.core.contract import initial_drafter_problems
 from eagle3_ray.train import init_from
 from tests.support.device_checks import drafter_dir as _drafter_dir
@@ -34,7 +34,7 @@ def drafter_config(**changes) -> dict:
         "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
         "draft_vocab_size": 1024,
         "speculators_config": {"verifier": {"architectures": ["LlamaForCausalLM"]}},
-        **init_from.TRAINED_FLAGS,
+        **init_from.trained_flags(TrainConfig()),
     }
     return {**config, **changes}
 
@@ -43,7 +43,7 @@ def problems(config: dict, num_draft_layers: int = 1) -> list[str]:
     return initial_drafter_problems(
         config,
         CAPTURE,
-        flags=init_from.TRAINED_FLAGS,
+        flags=init_from.trained_flags(TrainConfig()),
         num_draft_layers=num_draft_layers,
         drafter_where="d/config.json",
         verifier_where="/verifier/config.json",
