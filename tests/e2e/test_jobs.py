@@ -2,8 +2,8 @@
 auth on, worker nodes that start from zero), watched through the dashboard's REST API, its run dir on an
 S3-compatible server, stopped mid-generate and resubmitted under the same run name, which resumes it, and in that job
 a worker node lost mid-generate and another mid-train (one run, in the background from the session's start:
-tests/support/bed_jobs.py), whose
-training then validates like the same training run uninterrupted on a copy of its data (uninterrupted_train)."""
+tests/support/bed_jobs.py), whose training then validates like the same training run uninterrupted on a copy of its
+data (uninterrupted_train)."""
 
 from __future__ import annotations
 
