@@ -55,3 +55,41 @@ def test_device_batches_on_cuda_equal_the_host_decode_and_survive_an_early_stop(
 def test_a_drafter_loads_into_a_run_built_on_cuda(tiny_llama, tmp_path):
     """train.init_from where the run's drafter already sits on its GPU (the worker builds it there)."""
     drafter_loads_into_a_run_with_another_draft_vocabulary("cuda", tiny_llama, tmp_path)
+
+
+def test_the_gpu_stacks_vllm_runs_an_eagle31_drafter_with_its_input_norms(tiny_llama, tmp_path_factory):
+    """train.fc_norm on the vLLM the GPU stack pins: export picks the layout that vLLM reads fc_norm from (the compat
+    layout on 0.24), and the engine builds the drafter with fc_norm, drafts and gets drafts accepted."""
+    from vllm import LLM, SamplingParams
+
+    from eagle3_ray.core import contract, storage
+    from eagle3_ray.core.config import config_from_dict
+    from eagle3_ray.core.prompts import tiny_prompts
+    from eagle3_ray.train import export
+    from tests.support.drafters import attach, cached_run
+
+    run_dir = cached_run(
+        tmp_path_factory, tiny_llama, "fc-norm", num_steps=100, num_epochs=2, train_fields={"fc_norm": True}
+    )
+    run = {"storage_path": str(run_dir.parent), "name": run_dir.name}
+    cfg = attach(config_from_dict({"run": run, "verifier": {"path": tiny_llama}, "export": {"checkpoint": "last"}}))
+    export.run(cfg)
+    drafter = storage.latest(str(run_dir), "export")["speculators_dir"]
+    config = storage.read_json(storage.join(drafter, "config.json"))
+    assert config["fc_norm"] is True and config["norm_before_fc"] is False
+    speculative = {"method": "eagle3", "model": drafter, "num_speculative_tokens": 3}
+    llm = LLM(
+        tiny_llama,
+        speculative_config=speculative,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        disable_log_stats=False,
+    )
+    assert contract.vllm_drafter_flags(llm) == {flag: config[flag] for flag in contract.DRAFTER_FLAGS}
+    conversations = [c["messages"] for c in tiny_prompts(split="eval", num_prompts=8)]  # what the drafter knows
+    llm.chat(conversations, SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+    metrics = llm.get_metrics()
+    accepted = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_accepted_tokens")
+    drafts = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_draft_tokens")
+    print(f"fc_norm drafter on CUDA: {accepted:.0f} of {drafts:.0f} draft tokens accepted")
+    assert drafts > 0 and accepted > 0
