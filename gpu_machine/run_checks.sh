@@ -162,7 +162,8 @@ step_parity() {
 
 step_pytest_gpu() {
     # The suite's `gpu` tests (deselected on machines without CUDA): DeviceBatches' side-stream copies and decode,
-    # the connector's step-wise encoding and norms on the device.
+    # planned capture rows on the device, a warm start into a drafter built on CUDA, and an EAGLE 3.1 drafter
+    # (train.fc_norm) served by the wheel set's vLLM with its input norms.
     "$PY" -m pytest -q -m gpu tests/gpu
 }
 
