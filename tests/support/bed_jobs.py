@@ -8,13 +8,13 @@ Only the jobs some selected test needs run (`pytest tests/unit` starts no bed). 
 it); `bed_idle` waits for every job and for the bed to scale back to no worker node, for the tests that look at the
 bed itself or submit a job of their own.
 
-The S3 server's environment (endpoint, test credentials) is set for the whole session while the jobs run: the
-thread reads the runs through the same storage layer as the tests, and a per-thread environment does not exist.
+The S3 server's environment (endpoint, test credentials; `pointed_at`) is set for the whole session while the jobs
+run: the thread reads the runs through the same storage layer as the tests, and a per-thread environment does not
+exist.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +24,7 @@ import pytest
 
 from tests.support.online_job import submit_online_job
 from tests.support.pipeline_job import submit_pipeline_job, train_uninterrupted
+from tests.support.s3 import pointed_at
 
 JOBS = ("pipeline_job", "uninterrupted_train", "online_job")  # the order they run in
 WAIT_S = 3600.0  # a job's wall time in the background, contention included, stays far below
@@ -37,7 +38,7 @@ class BedJobs:
         self.wanted = [name for name in JOBS if name in wanted]
         self.results: dict[str, Any] = {}
         self.errors: dict[str, BaseException] = {}
-        self.done = {name: threading.Event() for name in JOBS}
+        self.done = {name: threading.Event() for name in self.wanted}
         self.seconds: dict[str, float] = {}
         self.thread = threading.Thread(target=self._run, name="bed-jobs", daemon=True)
 
@@ -60,8 +61,6 @@ class BedJobs:
             finally:
                 self.seconds[name] = time.monotonic() - start
                 self.done[name].set()
-        for name in JOBS:  # a job no test wanted: nothing will come
-            self.done[name].set()
 
     def result(self, name: str) -> Any:
         if name not in self.wanted:
@@ -77,10 +76,9 @@ class BedJobs:
 
 def pytest_collection_finish(session):
     """Which of the bed's jobs the selected tests read (directly or through another fixture)."""
-    wanted = {name for item in session.items for name in JOBS if name in getattr(item, "fixturenames", ())}
-    if "bed_idle" in {name for item in session.items for name in getattr(item, "fixturenames", ())}:
-        wanted.add("pipeline_job")
-    if "uninterrupted_train" in wanted:
+    names = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    wanted = names & set(JOBS)
+    if names & {"bed_idle", "uninterrupted_train"}:
         wanted.add("pipeline_job")
     session.config._eagle3_bed_jobs = wanted
 
@@ -95,17 +93,11 @@ def _bed_jobs(request):
         return
     cluster = request.getfixturevalue("autoscaling_cluster")
     s3_server = request.getfixturevalue("s3_server")
-    saved = {key: os.environ.get(key) for key in s3_server.env}
-    os.environ.update(s3_server.env)
-    jobs = BedJobs(cluster, s3_server, wanted)
-    jobs.thread.start()
-    yield jobs
-    jobs.join()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with pointed_at(s3_server):
+        jobs = BedJobs(cluster, s3_server, wanted)
+        jobs.thread.start()
+        yield jobs
+        jobs.join()
     print(f"bed jobs in the background (s): { {k: round(v) for k, v in jobs.seconds.items()} }")
 
 

@@ -165,12 +165,16 @@ def _muon_run(tmp_path_factory, tiny_llama, **train_fields):
     return cfg, capture, batches, build
 
 
-def _loss(step, batch, ttt_steps):
+def _metrics(step, batch, ttt_steps):
     from eagle3_ray.train import worker as train_worker
 
     sums = train_worker.MetricSums()
     sums.add(step(batch))
-    return train_worker.summarize(sums.reduce(), ttt_steps, "")["loss"]
+    return train_worker.summarize(sums.reduce(), ttt_steps, "")
+
+
+def _loss(step, batch, ttt_steps):
+    return _metrics(step, batch, ttt_steps)["loss"]
 
 
 def test_muon_takes_the_matrices_adamw_the_rest_and_the_loss_falls(tmp_path_factory, tiny_llama):
@@ -222,14 +226,6 @@ def test_a_muon_run_restored_from_its_checkpoint_steps_on_exactly_as_one_never_s
     adamw_only = train_worker.make_optimizers(resumed, config_from_dict({}).train, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"optimizers \['Muon', 'AdamW'\], this run builds \['AdamW'\]"):
         checkpoints.restore(str(tmp_path), resumed, adamw_only, [])
-
-
-def _metrics(step, batch, ttt_steps):
-    from eagle3_ray.train import worker as train_worker
-
-    sums = train_worker.MetricSums()
-    sums.add(step(batch))
-    return train_worker.summarize(sums.reduce(), ttt_steps, "")
 
 
 def test_train_loss_picks_speculators_loss_and_the_lk_loss_trains_the_drafter(tmp_path_factory, tiny_llama):
